@@ -1,0 +1,1 @@
+"""GPU kernels and the Python ops around them (torch, triton, numpy, safetensors only)."""

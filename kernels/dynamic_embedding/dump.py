@@ -1,0 +1,206 @@
+"""Distributed dump and load of dynamic embedding tables.
+
+A dump is a directory:
+
+    shard-00000-of-00002.safetensors   keys (int64), embeddings, optimizer_state, scores (int64)
+    shard-00001-of-00002.safetensors
+    manifest.json                      written last: config, step, rows and sha256 per shard
+
+Every rank writes its shard into a hidden temporary directory; rank 0 checksums them,
+writes the manifest, fsyncs and renames the directory into place. A directory without a
+manifest, or whose files do not match it, is refused. No pickle anywhere.
+
+Loading works on any world size: each rank reads every shard and keeps the keys it owns.
+An incremental dump holds only rows whose score reached `min_score` (with LRU scores:
+rows touched since a step); load it after its base to bring the table up to date.
+"""
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .embedding import EmbeddingConfig, ShardedDynamicEmbedding
+from .hashing import shard_of
+
+FORMAT = "hstu-dynamic-embedding-dump"
+VERSION = 1
+MANIFEST = "manifest.json"
+_TENSORS = ("keys", "embeddings", "optimizer_state", "scores")
+
+
+class DumpError(RuntimeError):
+    """A dump that is missing, partial, corrupt or does not fit the table."""
+
+
+def _barrier(world_size: int, group) -> None:
+    if world_size > 1:
+        dist.barrier(group=group)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Writes JSON through a temporary file, fsync and rename: never a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def dump(
+    table: ShardedDynamicEmbedding,
+    path: str | Path,
+    min_score: int | None = None,
+    metadata: dict | None = None,
+    replace: bool = False,
+) -> Path:
+    """Collective: writes every rank's rows (or those with score >= min_score) to `path`.
+
+    The directory appears complete or not at all. An existing `path` is an error unless
+    `replace`, which swaps the new dump in only once it is complete.
+    """
+    path = Path(path)
+    world, rank, group = table.world_size, table.rank, table.group
+    tmp = path.with_name(f".{path.name}.partial")
+    if rank == 0:
+        if path.exists() and not replace:
+            raise DumpError(f"{path}: already exists (pass replace=True to overwrite)")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed dump
+        tmp.mkdir(parents=True)
+    _barrier(world, group)
+
+    keys, emb, state, scores = table.local.export_rows(min_score)
+    shard = tmp / shard_name(rank, world)
+    tensors = dict(zip(_TENSORS, (keys, emb, state, scores)))
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, shard)
+    _fsync(shard)
+    _barrier(world, group)
+
+    if rank == 0:
+        shards = []
+        for r in range(world):
+            f = tmp / shard_name(r, world)
+            shards.append({"file": f.name, "bytes": f.stat().st_size, "sha256": sha256_of(f)})
+        rows = _gather_counts(keys.numel(), world, group, table.local.device)
+        for s, n in zip(shards, rows):
+            s["rows"] = n
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": "full" if min_score is None else "incremental",
+            "min_score": min_score,
+            "step": table.step,
+            "world_size": world,
+            "total_rows": sum(rows),
+            "config": table.config.to_dict(),
+            "metadata": metadata or {},
+            "shards": shards,
+        }
+        write_json_atomic(tmp / MANIFEST, manifest)
+        _fsync(tmp)
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+        _fsync(path.parent)
+    else:
+        _gather_counts(keys.numel(), world, group, table.local.device)
+    _barrier(world, group)
+    return path
+
+
+def _gather_counts(n: int, world: int, group, device) -> list[int]:
+    if world == 1:
+        return [n]
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t, group=group)
+    return [int(x) for x in out]
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a complete dump, after checking every shard against it."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise DumpError(f"{path}: not a complete dump (no {MANIFEST}); it may be partial")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{mpath}: unreadable manifest: {e}") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise DumpError(f"{mpath}: not a {FORMAT} v{VERSION} manifest")
+    for s in manifest["shards"]:
+        f = path / s["file"]
+        if not f.is_file():
+            raise DumpError(f"{f}: shard listed in the manifest is missing")
+        if f.stat().st_size != s["bytes"]:
+            raise DumpError(f"{f}: {f.stat().st_size} bytes, manifest says {s['bytes']} (truncated?)")
+        if sha256_of(f) != s["sha256"]:
+            raise DumpError(f"{f}: checksum mismatch (corrupted)")
+    return manifest
+
+
+def read_shard(path: Path, entry: dict, dim: int) -> dict[str, torch.Tensor]:
+    f = path / entry["file"]
+    try:
+        t = load_file(f)
+    except (SafetensorError, OSError) as e:
+        raise DumpError(f"{f}: unreadable shard: {e}") from None
+    if set(t) != set(_TENSORS):
+        raise DumpError(f"{f}: expected tensors {_TENSORS}, found {sorted(t)}")
+    n = t["keys"].numel()
+    if n != entry["rows"] or t["embeddings"].shape != (n, dim) or t["scores"].numel() != n:
+        raise DumpError(f"{f}: shapes do not match the manifest ({n} keys, dim {dim})")
+    return t
+
+
+def load(table: ShardedDynamicEmbedding, path: str | Path) -> dict:
+    """Loads a verified dump into the table, keeping this rank's keys; returns the manifest.
+
+    The table's embedding dim and optimizer must match the dump's. Its step becomes the
+    dump's step.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    saved = EmbeddingConfig.from_dict(manifest["config"])
+    cfg = table.config
+    if saved.dim != cfg.dim or saved.optimizer.name != cfg.optimizer.name:
+        raise DumpError(
+            f"{path}: dump has dim {saved.dim} / optimizer {saved.optimizer.name}, "
+            f"table has dim {cfg.dim} / optimizer {cfg.optimizer.name}"
+        )
+    for entry in manifest["shards"]:
+        t = read_shard(path, entry, saved.dim)
+        mine = shard_of(t["keys"], table.world_size) == table.rank
+        table.local.import_rows(*(t[name][mine] for name in _TENSORS))
+    table.local.step = max(table.local.step, manifest["step"])
+    return manifest

@@ -1,0 +1,256 @@
+"""The hash table behind a dynamic embedding: the pure-PyTorch reference engine.
+
+Storage is bucketed like HierarchicalKV: `capacity = num_buckets * bucket_size` slots, a key
+lives only in bucket `bucket_of(key)`, and each slot holds a key, a 64-bit score and one row
+of `row_dim` values (embedding followed by optimizer state). Calls address rows by slot
+index; a slot index stays valid until the next call that inserts (growth re-hashes).
+
+Stated semantics, for every backend:
+- keys are int64; `EMPTY_KEY` (int64 min) is reserved and refused.
+- duplicate keys in one call are resolved once: every copy gets the same slot.
+- new keys of one call are placed in ascending key order within their bucket, so the
+  table's layout is a function of the call sequence alone (deterministic).
+- a full bucket, at `max_capacity`, evicts its lowest-score rows not used by this call
+  (ties broken by slot index); a new key whose score is below that victim's is not stored.
+  Evicted keys, rows and scores are returned so a lower tier can take them.
+- below `max_capacity` the table grows (doubling) instead of evicting, when a bucket is
+  full or the load factor would pass `max_load_factor`.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from .hashing import EMPTY_KEY, bucket_of
+
+MISSING = -1  # slot index returned for a key that is not stored
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass
+class Evicted:
+    keys: torch.Tensor  # (E,) int64
+    rows: torch.Tensor  # (E, row_dim)
+    scores: torch.Tensor  # (E,) int64
+
+    @staticmethod
+    def empty(row_dim: int, dtype: torch.dtype, device) -> "Evicted":
+        return Evicted(
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, row_dim, dtype=dtype, device=device),
+            torch.empty(0, dtype=torch.int64, device=device),
+        )
+
+
+class ReferenceHashTable:
+    """Bucketed int64 → row table in plain PyTorch (CPU or CUDA); the test oracle."""
+
+    def __init__(
+        self,
+        row_dim: int,
+        capacity: int = 1024,
+        max_capacity: int | None = None,
+        bucket_size: int = 32,
+        max_load_factor: float = 0.75,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if bucket_size <= 0 or row_dim <= 0:
+            raise ValueError("bucket_size and row_dim must be positive")
+        self.row_dim = row_dim
+        self.bucket_size = bucket_size
+        self.max_load_factor = max_load_factor
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # power-of-two bucket counts: doubling splits each bucket in two, so a re-hash
+        # never overflows a bucket
+        num_buckets = _pow2_at_least(-(-capacity // bucket_size))
+        max_capacity = max(max_capacity or 0, num_buckets * bucket_size)
+        self.max_num_buckets = _pow2_at_least(-(-max_capacity // bucket_size))
+        self._allocate(num_buckets)
+
+    # ---- storage -------------------------------------------------------------------------
+    def _allocate(self, num_buckets: int) -> None:
+        cap = num_buckets * self.bucket_size
+        self.num_buckets = num_buckets
+        self.keys = torch.full((cap,), EMPTY_KEY, dtype=torch.int64, device=self.device)
+        self.scores = torch.zeros(cap, dtype=torch.int64, device=self.device)
+        self.values = torch.zeros(cap, self.row_dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.numel()
+
+    @property
+    def max_capacity(self) -> int:
+        return self.max_num_buckets * self.bucket_size
+
+    def size(self) -> int:
+        return int((self.keys != EMPTY_KEY).sum())
+
+    def load_factor(self) -> float:
+        return self.size() / self.capacity
+
+    def _check_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        if keys.dtype != torch.int64 or keys.dim() != 1:
+            raise TypeError(f"keys must be a 1-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
+        if keys.numel() and bool((keys == EMPTY_KEY).any()):
+            raise ValueError(f"key {EMPTY_KEY} is reserved (marks an empty slot)")
+        return keys.to(self.device)
+
+    # ---- lookups -------------------------------------------------------------------------
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slot of each key, or MISSING. Never inserts, never changes scores."""
+        keys = self._check_keys(keys)
+        if keys.numel() == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        buckets = bucket_of(keys, self.num_buckets)
+        bucket_keys = self.keys.view(self.num_buckets, self.bucket_size)[buckets]  # (N, S)
+        match = bucket_keys == keys[:, None]
+        slot = buckets * self.bucket_size + match.to(torch.int8).argmax(1)
+        return torch.where(match.any(1), slot, torch.full_like(slot, MISSING))
+
+    def find_or_insert(
+        self, keys: torch.Tensor, scores: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Evicted]:
+        """Slot of each key, inserting missing ones with the given score.
+
+        `scores` (N,) int64 is the score each key's row gets (for existing keys the caller's
+        policy already folded the old score in). Returns (slots, inserted, evicted); a slot
+        is MISSING only for a new key that lost to every row of its full bucket. New rows'
+        values are left for the caller to initialize.
+        """
+        keys = self._check_keys(keys)
+        evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
+        if keys.numel() == 0:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return empty, empty.bool(), evicted
+        uniq, inverse = torch.unique(keys, return_inverse=True)  # ascending keys
+        # a duplicate key takes the highest score any of its copies asked for
+        uscores = torch.full_like(uniq, torch.iinfo(torch.int64).min)
+        uscores.scatter_reduce_(0, inverse, scores.to(self.device, torch.int64), "amax")
+        slots = self.find(uniq)
+        missing = slots == MISSING
+        new_keys = uniq[missing]
+        if new_keys.numel():
+            self._make_room(int(self.size()) + new_keys.numel())
+            evicted = self._place(new_keys, uscores[missing], used_keys=uniq[~missing])
+            slots = self.find(uniq)  # growth may have moved rows; losers stay MISSING
+        found = slots != MISSING
+        self.scores[slots[found]] = uscores[found]
+        inserted = torch.zeros_like(missing)
+        inserted[missing] = slots[missing] != MISSING
+        return slots[inverse], inserted[inverse], evicted
+
+    # ---- writes --------------------------------------------------------------------------
+    def insert_or_assign(
+        self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor
+    ) -> Evicted:
+        """Stores rows under keys (last copy wins for duplicates), inserting where missing."""
+        keys = self._check_keys(keys)
+        if keys.numel() == 0:
+            return Evicted.empty(self.row_dim, self.dtype, self.device)
+        # keep the last occurrence of each key
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        last = torch.zeros(uniq.numel(), dtype=torch.int64, device=self.device)
+        last.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=self.device), "amax")
+        slots, _, evicted = self.find_or_insert(uniq, scores.to(self.device)[last])
+        ok = slots != MISSING
+        self.values[slots[ok]] = rows.to(self.device, self.dtype)[last[ok]]
+        return evicted
+
+    def erase(self, keys: torch.Tensor) -> int:
+        """Removes keys; returns how many were present."""
+        slots = self.find(keys)
+        slots = torch.unique(slots[slots != MISSING])
+        self.keys[slots] = EMPTY_KEY
+        self.scores[slots] = 0
+        return slots.numel()
+
+    def export(self, min_score: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, rows, scores) of every stored row, or of rows whose score >= min_score,
+        in slot order."""
+        keep = self.keys != EMPTY_KEY
+        if min_score is not None:
+            keep &= self.scores >= min_score
+        return self.keys[keep], self.values[keep], self.scores[keep]
+
+    # ---- placement -----------------------------------------------------------------------
+    def _make_room(self, target_size: int) -> None:
+        while (
+            target_size > self.max_load_factor * self.capacity
+            and self.num_buckets < self.max_num_buckets
+        ):
+            self._grow()
+
+    def _grow(self) -> None:
+        keys, rows, scores = self.export()
+        self._allocate(min(self.num_buckets * 2, self.max_num_buckets))
+        evicted = self._place(keys, scores, used_keys=keys[:0])
+        assert evicted.keys.numel() == 0, "doubling a power-of-two table cannot overflow"
+        self.values[self.find(keys)] = rows
+
+    def _place(
+        self, new_keys: torch.Tensor, new_scores: torch.Tensor, used_keys: torch.Tensor
+    ) -> Evicted:
+        """Puts sorted, unique, absent keys into free slots of their buckets, growing the
+        table or evicting where a bucket is full. Rows of `used_keys` are never evicted."""
+        S = self.bucket_size
+        buckets = bucket_of(new_keys, self.num_buckets)
+        buckets, order = torch.sort(buckets, stable=True)  # keys stay ascending per bucket
+        keys_sorted, scores_sorted = new_keys[order], new_scores[order]
+        _, counts = torch.unique_consecutive(buckets, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(buckets.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
+
+        bucket_keys = self.keys.view(self.num_buckets, S)[buckets]  # (M, S)
+        free = bucket_keys == EMPTY_KEY
+        n_free = free.sum(1)
+        overflow = rank >= n_free
+        if bool(overflow.any()) and self.num_buckets < self.max_num_buckets:
+            self._grow()
+            return self._place(new_keys, new_scores, used_keys)
+
+        slots_sorted = torch.full_like(keys_sorted, MISSING)
+        # the r-th new key of a bucket takes the bucket's r-th free slot
+        nth_free = (free & (torch.cumsum(free, 1) == (rank + 1)[:, None])).to(torch.int8).argmax(1)
+        fits = ~overflow
+        slots_sorted[fits] = buckets[fits] * S + nth_free[fits]
+
+        evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
+        if bool(overflow.any()):
+            evicted, victim_slots = self._evict(
+                buckets[overflow], rank[overflow] - n_free[overflow], scores_sorted[overflow], used_keys
+            )
+            slots_sorted[overflow] = victim_slots
+        ok = slots_sorted != MISSING
+        self.keys[slots_sorted[ok]] = keys_sorted[ok]
+        self.scores[slots_sorted[ok]] = scores_sorted[ok]
+        return evicted
+
+    def _evict(
+        self, buckets: torch.Tensor, nth: torch.Tensor, scores: torch.Tensor, used_keys: torch.Tensor
+    ) -> tuple[Evicted, torch.Tensor]:
+        """For each overflowing key, the slot of its bucket's nth lowest-score evictable row,
+        or MISSING where that row's score beats the key's own."""
+        S = self.bucket_size
+        protected = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        used = self.find(used_keys)
+        protected[used[used != MISSING]] = True
+        bucket_slots = buckets[:, None] * S + torch.arange(S, device=self.device)  # (M, S)
+        cand = self.scores[bucket_slots]
+        blocked = protected[bucket_slots] | (self.keys[bucket_slots] == EMPTY_KEY)
+        # order candidates by (score, slot); blocked slots sort last
+        big = torch.iinfo(torch.int64).max
+        cand = torch.where(blocked, torch.full_like(cand, big), cand)
+        _, by_score = torch.sort(cand, dim=1, stable=True)
+        n_evictable = (~blocked).sum(1)
+        pick = nth.clamp(max=S - 1)
+        victim = bucket_slots.gather(1, by_score.gather(1, pick[:, None])).squeeze(1)
+        ok = (nth < n_evictable) & (self.scores[victim] <= scores)
+        victim = torch.where(ok, victim, torch.full_like(victim, MISSING))
+        v = victim[ok]
+        evicted = Evicted(self.keys[v].clone(), self.values[v].clone(), self.scores[v].clone())
+        return evicted, victim

@@ -1,0 +1,35 @@
+import socket
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(world: int, fn, *args) -> None:
+    """Runs fn(rank, world, *args) in `world` gloo processes; fails if any process fails."""
+    mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not (SHARED / "datasets").is_dir():
+        pytest.skip("../shared/datasets is not present")
+    return SHARED
