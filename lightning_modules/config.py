@@ -1,0 +1,63 @@
+"""Model and training settings; presets follow the HSTU paper's MovieLens-1M setup."""
+from dataclasses import asdict, dataclass, replace
+
+from kernels.dynamic_embedding import EmbeddingConfig, OptimizerConfig
+
+
+@dataclass(frozen=True)
+class HSTUConfig:
+    num_blocks: int = 2
+    num_heads: int = 1
+    attention_dim: int = 50  # per head, for Q and K
+    linear_dim: int = 50  # per head, for U and V
+    embedding_dim: int = 50  # item embedding (the model width)
+    max_seq_len: int = 200
+    dropout: float = 0.2
+    num_time_buckets: int = 128
+    # training
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.0
+    batch_size: int = 128
+    num_negatives: int = 128
+    temperature: float = 0.05
+    seed: int = 0
+    # the item table: its own sparse optimizer (Adam, same rate as the dense weights)
+    embedding_optimizer: str = "adam"
+    embedding_capacity: int = 1 << 14
+    embedding_max_capacity: int = 1 << 22
+
+    def embedding_config(self) -> EmbeddingConfig:
+        return EmbeddingConfig(
+            dim=self.embedding_dim,
+            optimizer=OptimizerConfig(
+                name=self.embedding_optimizer, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1]
+            ),
+            seed=self.seed,
+            capacity=self.embedding_capacity,
+            max_capacity=self.embedding_max_capacity,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "HSTUConfig":
+        d = dict(d)
+        d["betas"] = tuple(d["betas"])
+        return HSTUConfig(**d)
+
+    def override(self, **changes) -> "HSTUConfig":
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+PRESETS = {
+    "hstu": HSTUConfig(),
+    "hstu-large": HSTUConfig(num_blocks=8, num_heads=2, attention_dim=25, linear_dim=25),
+}
+
+
+def preset(name: str) -> HSTUConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,101 @@
+"""The exported model: one versioned directory that serves top-k recommendations.
+
+    export.json          written last: format, model version, candidate count, metrics
+    items.safetensors    candidate item ids (the catalog)
+    model/               the model directory (config, dense weights, embedding dump)
+
+`Recommender.load(path)` verifies it and answers `recommend(history, k)`.
+"""
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from kernels.dynamic_embedding import DumpError
+from kernels.dynamic_embedding.dump import sha256_of, write_json_atomic
+
+from . import model_files
+from .data import Sequences
+
+FORMAT = "hstu-export"
+VERSION = 1
+
+
+def export(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, model_version: str, metrics: dict | None = None) -> Path:
+    """Packs a verified model directory and the dataset's item catalog into `out_dir`."""
+    model_files.read_info(model_dir)
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copytree(model_dir, tmp / "model")
+    catalog = Sequences(Path(data_dir) / "test.parquet", 1).all_items()
+    save_file({"item_ids": torch.from_numpy(catalog)}, tmp / "items.safetensors")
+    write_json_atomic(
+        tmp / "export.json",
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "model_version": str(model_version),
+            "candidates": int(len(catalog)),
+            "items_sha256": sha256_of(tmp / "items.safetensors"),
+            "metrics": metrics or {},
+        },
+    )
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+@dataclass
+class Recommender:
+    model: torch.nn.Module
+    item_table: object
+    item_ids: torch.Tensor  # (M,) sorted candidates
+    item_emb: torch.Tensor  # (M, D) normalized
+    info: dict
+
+    @staticmethod
+    def load(path: str | Path, device: str = "cpu") -> "Recommender":
+        path = Path(path)
+        info_path = path / "export.json"
+        if not info_path.is_file():
+            raise DumpError(f"{path}: not an exported model (no export.json)")
+        info = json.loads(info_path.read_text())
+        if info.get("format") != FORMAT or info.get("version") != VERSION:
+            raise DumpError(f"{info_path}: not a {FORMAT} v{VERSION} file")
+        if sha256_of(path / "items.safetensors") != info["items_sha256"]:
+            raise DumpError(f"{path / 'items.safetensors'}: checksum mismatch (corrupted)")
+        model, table, _ = model_files.load_model(path / "model", device)
+        item_ids = load_file(path / "items.safetensors")["item_ids"].to(device)
+        with torch.no_grad():
+            item_emb = F.normalize(table.lookup(item_ids, train=False), dim=-1)
+        return Recommender(model, table, item_ids, item_emb, info)
+
+    @torch.no_grad()
+    def recommend(
+        self, history: list[int] | np.ndarray, timestamps: list[int] | None = None, k: int = 10, exclude_history: bool = True
+    ) -> list[tuple[int, float]]:
+        """Top-k (item id, cosine score) to follow a history of item ids (oldest first)."""
+        max_len = self.model.config.max_seq_len
+        ids = torch.as_tensor(np.asarray(history, dtype=np.int64)[-max_len:])
+        ts = torch.as_tensor(np.asarray(timestamps if timestamps is not None else np.zeros(len(history)), dtype=np.int64)[-max_len:])
+        device = self.item_emb.device
+        n = ids.numel()
+        scores = torch.zeros(len(self.item_ids), device=device)
+        if n:
+            emb = self.item_table.lookup(ids.to(device), train=False)[None]
+            out = self.model(emb, ts[None].to(device), torch.tensor([n], device=device))
+            scores = self.item_emb @ out[0, n - 1]
+        if exclude_history and n:
+            pos = torch.searchsorted(self.item_ids, ids.to(device)).clamp(max=len(self.item_ids) - 1)
+            known = self.item_ids[pos] == ids.to(device)
+            scores[pos[known]] = float("-inf")
+        top = torch.topk(scores, min(k, len(self.item_ids)))
+        return [(int(i), float(s)) for i, s in zip(self.item_ids[top.indices].tolist(), top.values.tolist())]

@@ -1,0 +1,116 @@
+"""HSTU (Hierarchical Sequential Transduction Units), the paper's research layer.
+
+Sequences arrive padded on the right: embeddings (B, L, D), timestamps (B, L) and lengths
+(B,). Each block computes
+
+    U, V, Q, K = split(SiLU(W · LayerNorm(x)))
+    A = SiLU(Q Kᵀ + rab_pos + rab_time) / max_seq_len     causal, padded keys masked
+    y = x + W_o · Dropout(LayerNorm(A V) ⊙ U)
+
+and the output is L2-normalized. The item embeddings come from outside (the dynamic
+table), so this module holds only dense weights.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import HSTUConfig
+
+
+def valid_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """(B, L) bool: True at positions inside each sequence."""
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+class RelativeBias(nn.Module):
+    """Learned bias per relative position (j - i) and per log-scaled time gap bucket."""
+
+    def __init__(self, max_seq_len: int, num_time_buckets: int):
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.num_time_buckets = num_time_buckets
+        self.position = nn.Parameter(torch.empty(2 * max_seq_len - 1).normal_(0, 0.02))
+        self.time = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(0, 0.02))
+
+    def forward(self, timestamps: torch.Tensor) -> torch.Tensor:
+        L = timestamps.shape[1]
+        pos = torch.arange(L, device=timestamps.device)
+        rel = (pos[None, :] - pos[:, None]).clamp(-(self.max_seq_len - 1), self.max_seq_len - 1)
+        pos_bias = self.position[rel + self.max_seq_len - 1]  # (L, L)
+        gap = (timestamps[:, :, None] - timestamps[:, None, :]).abs().clamp(min=1).float()
+        bucket = (torch.log(gap) / 0.301).long().clamp(0, self.num_time_buckets)
+        return pos_bias[None] + self.time[bucket]  # (B, L, L)
+
+
+class HSTUBlock(nn.Module):
+    def __init__(self, c: HSTUConfig):
+        super().__init__()
+        self.heads, self.dqk, self.dv = c.num_heads, c.attention_dim, c.linear_dim
+        self.max_seq_len = c.max_seq_len
+        self.input_norm = nn.LayerNorm(c.embedding_dim)
+        self.uvqk = nn.Linear(c.embedding_dim, c.num_heads * (2 * c.linear_dim + 2 * c.attention_dim))
+        self.attn_norm = nn.LayerNorm(c.num_heads * c.linear_dim)
+        self.output = nn.Linear(c.num_heads * c.linear_dim, c.embedding_dim)
+        self.dropout = nn.Dropout(c.dropout)
+        self.bias = RelativeBias(c.max_seq_len, c.num_time_buckets)
+
+    def forward(self, x: torch.Tensor, timestamps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        H, dqk, dv = self.heads, self.dqk, self.dv
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split([H * dv, H * dv, H * dqk, H * dqk], dim=-1)
+        q = q.view(B, L, H, dqk).transpose(1, 2)  # (B, H, L, dqk)
+        k = k.view(B, L, H, dqk).transpose(1, 2)
+        v = v.view(B, L, H, dv).transpose(1, 2)
+        scores = q @ k.transpose(-1, -2) + self.bias(timestamps)[:, None]  # (B, H, L, L)
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        allowed = causal[None] & mask[:, None, :]  # (B, L, L): past, valid keys
+        attn = F.silu(scores) / self.max_seq_len * allowed[:, None]
+        out = (attn @ v).transpose(1, 2).reshape(B, L, H * dv)
+        return x + self.output(self.dropout(self.attn_norm(out) * u))
+
+
+class HSTU(nn.Module):
+    """Dense part of the model: input scaling + positions, HSTU blocks, L2-normalized output."""
+
+    def __init__(self, c: HSTUConfig):
+        super().__init__()
+        self.config = c
+        self.positions = nn.Embedding(c.max_seq_len, c.embedding_dim)
+        nn.init.normal_(self.positions.weight, 0, 0.02)
+        self.input_dropout = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(HSTUBlock(c) for _ in range(c.num_blocks))
+
+    def forward(self, item_emb: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """item_emb (B, L, D), timestamps (B, L), lengths (B,) → (B, L, D), unit norm."""
+        B, L, D = item_emb.shape
+        mask = valid_mask(lengths, L)
+        x = item_emb * math.sqrt(D) + self.positions.weight[:L][None]
+        x = self.input_dropout(x) * mask[..., None]
+        for block in self.blocks:
+            x = block(x, timestamps, mask) * mask[..., None]
+        return F.normalize(x, dim=-1)
+
+
+def sampled_softmax_loss(
+    out: torch.Tensor,
+    target_emb: torch.Tensor,
+    target_ids: torch.Tensor,
+    negative_emb: torch.Tensor,
+    negative_ids: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """Cross-entropy of each target against shared sampled negatives, on cosine similarity.
+
+    out (P, D) normalized outputs, target_emb (P, D), negative_emb (N, D); a negative equal
+    to the position's own target is masked out.
+    """
+    target = F.normalize(target_emb, dim=-1)
+    negatives = F.normalize(negative_emb, dim=-1)
+    pos_logit = (out * target).sum(-1, keepdim=True)  # (P, 1)
+    neg_logits = out @ negatives.T  # (P, N)
+    neg_logits = neg_logits.masked_fill(negative_ids[None, :] == target_ids[:, None], float("-inf"))
+    logits = torch.cat([pos_logit, neg_logits], 1) / temperature
+    labels = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
+    return F.cross_entropy(logits, labels)

@@ -1,0 +1,92 @@
+"""A trained model on disk, the unit that dump, evaluate and export pass along:
+
+    model.json            written last: format, config, sha256 of dense weights
+    dense.safetensors     HSTU weights
+    embeddings/           the item table's dump (kernels.dynamic_embedding.dump)
+
+The directory is built under a hidden temporary name and renamed into place, so it exists
+complete or not at all; loading checks every checksum. No pickle.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from kernels.dynamic_embedding import DumpError, ShardedDynamicEmbedding, dump, load, read_manifest
+from kernels.dynamic_embedding.dump import sha256_of, write_json_atomic
+
+from .config import HSTUConfig
+from .hstu import HSTU
+
+FORMAT = "hstu-model"
+VERSION = 1
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def save(path: str | Path, model: HSTU, table: ShardedDynamicEmbedding, metadata: dict | None = None) -> Path:
+    """Collective over the table's ranks; rank 0 writes the dense part and commits."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    world, rank = table.world_size, table.rank
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(world)
+    dump(table, tmp / "embeddings", metadata=metadata)
+    if rank == 0:
+        dense = tmp / "dense.safetensors"
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, dense)
+        write_json_atomic(
+            tmp / "model.json",
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "config": model.config.to_dict(),
+                "dense_sha256": sha256_of(dense),
+                "metadata": metadata or {},
+            },
+        )
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    _barrier(world)
+    return path
+
+
+def read_info(path: str | Path) -> dict:
+    """model.json of a complete model directory, after verifying every file."""
+    path = Path(path)
+    info_path = path / "model.json"
+    if not info_path.is_file():
+        raise DumpError(f"{path}: not a complete model directory (no model.json)")
+    info = json.loads(info_path.read_text())
+    if info.get("format") != FORMAT or info.get("version") != VERSION:
+        raise DumpError(f"{info_path}: not a {FORMAT} v{VERSION} file")
+    dense = path / "dense.safetensors"
+    if not dense.is_file() or sha256_of(dense) != info["dense_sha256"]:
+        raise DumpError(f"{dense}: missing or checksum mismatch (corrupted)")
+    read_manifest(path / "embeddings")
+    return info
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[HSTU, ShardedDynamicEmbedding, dict]:
+    """(model in eval mode, item table, model.json) from a verified model directory.
+
+    The table takes the keys this process owns: all of them without a process group."""
+    path = Path(path)
+    info = read_info(path)
+    config = HSTUConfig.from_dict(info["config"])
+    model = HSTU(config)
+    model.load_state_dict(load_file(path / "dense.safetensors"))
+    model.to(device).eval()
+    table = ShardedDynamicEmbedding(config.embedding_config(), device)
+    load(table, path / "embeddings")
+    return model, table, info
