@@ -1,0 +1,70 @@
+"""Kubeflow Pipelines components, one per step. Each is a lightweight component whose body
+imports and calls the step function in `components.steps`; the image holds the project.
+
+Paths are strings on storage every step shares: a work directory on this machine, or a
+volume mounted at the same path in every pod of a cluster run.
+"""
+from kfp import dsl
+
+
+def prepare_data(
+    dataset: str, work_dir: str, data_dir: str, input_file: str, seed: int, synthetic_users: int, tracking_uri: str, run_id: str
+) -> str:
+    import os
+
+    from components.steps import prepare_step
+
+    return prepare_step(dataset, os.path.join(work_dir, "data"), data_dir, input_file, seed, synthetic_users, tracking_uri, run_id)
+
+
+def train(
+    data_dir: str,
+    work_dir: str,
+    workers: int,
+    preset: str,
+    epochs: int,
+    extra_args: str,
+    tracking_uri: str,
+    run_id: str,
+    launcher: str,
+    job_spec: str,
+) -> str:
+    import os
+
+    from components.steps import train_step
+
+    return train_step(
+        data_dir, os.path.join(work_dir, "train"), workers, preset, epochs, extra_args, tracking_uri, run_id, launcher, job_spec
+    )
+
+
+def dump(train_dir: str, work_dir: str, tracking_uri: str, run_id: str) -> str:
+    import os
+
+    from components.steps import dump_step
+
+    return dump_step(train_dir, os.path.join(work_dir, "model"), tracking_uri, run_id)
+
+
+def evaluate(model_dir: str, data_dir: str, work_dir: str, tracking_uri: str, run_id: str) -> str:
+    import os
+
+    from components.steps import evaluate_step
+
+    return evaluate_step(model_dir, data_dir, os.path.join(work_dir, "evaluation"), tracking_uri, run_id)
+
+
+def export(model_dir: str, data_dir: str, metrics_file: str, work_dir: str, tracking_uri: str, run_id: str) -> str:
+    import os
+
+    from components.steps import export_step
+
+    return export_step(model_dir, data_dir, metrics_file, os.path.join(work_dir, "export"), tracking_uri, run_id)
+
+
+STEPS = (prepare_data, train, dump, evaluate, export)
+
+
+def build(image: str) -> dict:
+    """The components for an image that has the project installed (kfp included)."""
+    return {f.__name__: dsl.component(f, base_image=image, install_kfp_package=False) for f in STEPS}

@@ -1,0 +1,127 @@
+"""The pipeline's steps as plain functions: what each Kubeflow component calls.
+
+Every step takes and returns directory paths on storage all steps share (a local work
+directory, or a volume mounted in every pod), and logs into one MLflow run when given a
+tracking URI and run id.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lightning_modules import datasets, export as export_lib, model_files
+from lightning_modules.evaluate import evaluate
+
+from . import pytorchjob, tracking
+
+
+def _tracked(tracking_uri: str, run_id: str) -> bool:
+    return bool(tracking_uri and run_id)
+
+
+def prepare_step(
+    dataset: str,
+    out_dir: str,
+    data_dir: str = "",
+    input_file: str = "",
+    seed: int = 0,
+    synthetic_users: int = 6040,
+    tracking_uri: str = "",
+    run_id: str = "",
+) -> str:
+    stats = datasets.prepare(
+        dataset, out_dir, data_dir=data_dir or None, input=input_file or None, seed=seed, synthetic_users=synthetic_users
+    )
+    print(json.dumps(stats, indent=2))
+    if _tracked(tracking_uri, run_id):
+        numeric = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+        tracking.log_metrics(tracking_uri, run_id, numeric, prefix="data/")
+        tracking.log_params(tracking_uri, run_id, {"dataset": dataset, "data_source": stats["source"]})
+        tracking.log_artifact(tracking_uri, run_id, Path(out_dir) / "stats.json", "data")
+    return out_dir
+
+
+def train_args(data_dir: str, out_dir: str, preset: str, epochs: int, tracking_uri: str, run_id: str, extra: list[str] | None = None) -> list[str]:
+    """Arguments of `python -m lightning_modules.train`, shared by local and cluster runs."""
+    args = ["--data-dir", data_dir, "--out-dir", out_dir, "--preset", preset, "--epochs", str(epochs)]
+    if _tracked(tracking_uri, run_id):
+        args += ["--tracking-uri", tracking_uri, "--run-id", run_id]
+    return args + list(extra or [])
+
+
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+    """A local torchrun of the training worker on this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", pytorchjob.TRAIN_MODULE, *args]
+
+
+def train_step(
+    data_dir: str,
+    out_dir: str,
+    workers: int = 1,
+    preset: str = "hstu",
+    epochs: int = 1,
+    extra_args: str = "",
+    tracking_uri: str = "",
+    run_id: str = "",
+    launcher: str = "local",
+    job_spec: str = "",
+) -> str:
+    """Trains with `workers` processes: local torchrun, or a PyTorchJob on the cluster
+    (`job_spec`: JSON of components.pytorchjob.JobSpec fields, without train_args)."""
+    extra = extra_args.split() if extra_args else []
+    args = train_args(data_dir, out_dir, preset, epochs, tracking_uri, run_id, extra + ["--no-progress-bar"])
+    if _tracked(tracking_uri, run_id):
+        tracking.log_params(tracking_uri, run_id, {"preset": preset, "epochs": epochs, "workers": workers, "train_extra_args": extra_args})
+    if launcher == "local":
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers))))
+        subprocess.run(torchrun_command(workers, args), check=True, env=env)
+    elif launcher == "pytorchjob":
+        spec = pytorchjob.JobSpec(**json.loads(job_spec), train_args=args)
+        job = pytorchjob.render(spec)
+        if pytorchjob.operator_errors(job):
+            raise ValueError("\n".join(pytorchjob.operator_errors(job)))
+        pytorchjob.submit(job)
+    else:
+        raise ValueError(f"unknown launcher {launcher!r}: local or pytorchjob")
+    model_files.read_info(Path(out_dir) / "model")  # the workers committed a complete model
+    return out_dir
+
+
+def dump_step(train_dir: str, out_dir: str, tracking_uri: str = "", run_id: str = "") -> str:
+    """The trained model re-dumped as one verified, single-shard model directory (what
+    evaluation and serving load), whatever world size trained it."""
+    model, table, info = model_files.load_model(Path(train_dir) / "model")
+    path = model_files.save(out_dir, model, table, metadata=info["metadata"])
+    if _tracked(tracking_uri, run_id):
+        rows = table.stats().size
+        tracking.log_metrics(tracking_uri, run_id, {"embedding_rows": rows}, prefix="dump/")
+    return str(path)
+
+
+def evaluate_step(model_dir: str, data_dir: str, out_dir: str, tracking_uri: str = "", run_id: str = "") -> str:
+    """Full-ranking test metrics of the model and the most-popular baseline → metrics.json."""
+    model, table, _ = model_files.load_model(model_dir)
+    results = evaluate(model, table, data_dir, split="test")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    if _tracked(tracking_uri, run_id):
+        tracking.log_metrics(tracking_uri, run_id, results["model"], prefix="test/")
+        tracking.log_metrics(tracking_uri, run_id, results["most_popular"], prefix="baseline/")
+        tracking.log_artifact(tracking_uri, run_id, out / "metrics.json", "evaluation")
+        curve = tracking.plot_training_curve(tracking_uri, run_id, out / "training_curve.png")
+        tracking.log_artifact(tracking_uri, run_id, curve, "evaluation")
+    return str(out / "metrics.json")
+
+
+def export_step(model_dir: str, data_dir: str, metrics_file: str, out_dir: str, tracking_uri: str = "", run_id: str = "") -> str:
+    """The versioned export, logged as an MLflow model and registered (when tracked)."""
+    metrics = json.loads(Path(metrics_file).read_text())
+    version = str(tracking.next_model_version(tracking_uri)) if _tracked(tracking_uri, run_id) else "0"
+    path = export_lib.export(model_dir, data_dir, out_dir, model_version=version, metrics=metrics)
+    if _tracked(tracking_uri, run_id):
+        registered = tracking.register_export(tracking_uri, run_id, path)
+        tracking.log_params(tracking_uri, run_id, {"registered_model_version": registered})
+    return str(path)

@@ -1,0 +1,186 @@
+"""The `hstu` command line."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from lightning_modules.config import PRESETS
+from lightning_modules.datasets import DATASETS
+
+
+def _add_data_source(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default="synthetic", choices=DATASETS)
+    p.add_argument("--data-dir", default="", help="folder holding a MovieLens zip or its extracted files (else: download)")
+    p.add_argument("--input", default="", help="with --dataset csv: a CSV or Parquet of user_id,item_id,timestamp[,rating]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--synthetic-users", type=int, default=6040)
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=1, help="training processes (torchrun)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--preset", default="hstu", choices=sorted(PRESETS))
+    p.add_argument("--train-args", default="", help="extra flags for the training worker, e.g. '--batch-size 64'")
+
+
+def _add_job(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default="hstu-train")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--image", default=None, help="the project's image")
+    p.add_argument("--nodes", type=int, default=2, help="pods: one Master plus nodes - 1 Workers")
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--cpu", default="2")
+    p.add_argument("--memory", default="8Gi")
+    p.add_argument("--gpus", type=int, default=0)
+    p.add_argument("--pvc", default=None, help="shared volume claim mounted at --mount-path")
+    p.add_argument("--mount-path", default="/workspace")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hstu", description="HSTU recommenders on dynamic embeddings, as a Kubeflow pipeline")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="the whole pipeline on this machine (Kubeflow local runner, MLflow on SQLite)")
+    _add_data_source(p)
+    _add_training(p)
+    p.add_argument("--work-dir", required=True)
+    p.add_argument("--tracking-uri", default="", help="MLflow server; default sqlite:///<work-dir>/mlflow.db")
+
+    p = sub.add_parser("prepare", help="raw interactions → sequences + leave-one-out split")
+    _add_data_source(p)
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("train", help="train with local worker processes")
+    p.add_argument("--data-dir", required=True, help="output of `hstu prepare`")
+    p.add_argument("--out", required=True)
+    _add_training(p)
+
+    p = sub.add_parser("dump", help="a trained model as one verified single-shard model directory")
+    p.add_argument("--train-dir", required=True)
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("evaluate", help="full-ranking HR/NDCG/MRR and the most-popular baseline")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("export", help="the versioned serving artifact")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--metrics", required=True, help="metrics.json from `hstu evaluate`")
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("recommend", help="top-k items after a history, from an export")
+    p.add_argument("--export", required=True)
+    p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
+    p.add_argument("-k", type=int, default=10)
+
+    p = sub.add_parser("compile", help="the pipeline as Kubeflow IR YAML")
+    p.add_argument("--out", required=True)
+    p.add_argument("--image", default=None)
+    p.add_argument("--pvc", default=None, help="volume claim mounted in every step")
+    p.add_argument("--mount-path", default="/workspace")
+
+    p = sub.add_parser("manifest", help="render the training PyTorchJob")
+    _add_job(p)
+    _add_training(p)
+    p.add_argument("--data-dir", required=True, help="prepared data, as the pods see it")
+    p.add_argument("--out-dir", required=True, help="training output, as the pods see it")
+    p.add_argument("--tracking-uri", default="")
+    p.add_argument("--run-id", default="")
+    p.add_argument("--schema", default=None, help="PyTorchJob CRD YAML to validate against")
+    p.add_argument("-o", "--output", default="-")
+
+    p = sub.add_parser("launch", help="run a PyTorchJob manifest's replicas as local processes")
+    p.add_argument("manifest")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        from .local import run_local
+
+        results = run_local(
+            args.work_dir, args.dataset, args.data_dir, args.input, args.workers, args.epochs, args.preset,
+            args.train_args, args.tracking_uri, args.seed, args.synthetic_users,
+        )
+        _print_results(results, Path(args.work_dir) / "metrics.json")
+    elif args.command == "prepare":
+        from components.steps import prepare_step
+
+        prepare_step(args.dataset, args.out, args.data_dir, args.input, args.seed, args.synthetic_users)
+    elif args.command == "train":
+        from components.steps import train_step
+
+        train_step(args.data_dir, args.out, args.workers, args.preset, args.epochs, args.train_args)
+    elif args.command == "dump":
+        from components.steps import dump_step
+
+        print(dump_step(args.train_dir, args.out))
+    elif args.command == "evaluate":
+        from components.steps import evaluate_step
+
+        evaluate_step(args.model_dir, args.data_dir, args.out)
+    elif args.command == "export":
+        from components.steps import export_step
+
+        print(export_step(args.model_dir, args.data_dir, args.metrics, args.out))
+    elif args.command == "recommend":
+        from lightning_modules.export import Recommender
+
+        history = [int(x) for x in args.history.split(",") if x.strip()]
+        for item, score in Recommender.load(args.export).recommend(history, k=args.k):
+            print(f"{item}\t{score:.4f}")
+    elif args.command == "compile":
+        from .pipeline import DEFAULT_IMAGE, compile_pipeline
+
+        print(compile_pipeline(args.out, args.image or DEFAULT_IMAGE, args.pvc, args.mount_path))
+    elif args.command == "manifest":
+        _manifest(args)
+    elif args.command == "launch":
+        from .launcher import launch
+
+        launch(yaml.safe_load(Path(args.manifest).read_text()))
+    return 0
+
+
+def _manifest(args) -> None:
+    from components import pytorchjob
+    from components.steps import train_args
+
+    from .pipeline import DEFAULT_IMAGE
+
+    spec = pytorchjob.JobSpec(
+        name=args.name, namespace=args.namespace, image=args.image or DEFAULT_IMAGE,
+        train_args=train_args(
+            args.data_dir, args.out_dir, args.preset, args.epochs, args.tracking_uri, args.run_id,
+            args.train_args.split() + ["--no-progress-bar"],
+        ),
+        nodes=args.nodes, nproc_per_node=args.nproc_per_node, cpu=args.cpu, memory=args.memory,
+        gpus=args.gpus, pvc=args.pvc, mount_path=args.mount_path,
+    )
+    job = pytorchjob.render(spec)
+    if args.schema:
+        pytorchjob.validate(job, yaml.safe_load(Path(args.schema).read_text()))
+    elif errors := pytorchjob.operator_errors(job):
+        raise SystemExit("\n".join(errors))
+    text = yaml.safe_dump(job, sort_keys=False)
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+
+
+def _print_results(results: dict, path: Path) -> None:
+    model, base = results["model"], results["most_popular"]
+    print(f"\n{'metric':<10}{'model':>10}{'most-popular':>14}")
+    for k in ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr"):
+        print(f"{k:<10}{model[k]:>10.4f}{base[k]:>14.4f}")
+    print(f"\nmetrics: {path}\nMLflow run {results['run_id']} at {results['tracking_uri']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

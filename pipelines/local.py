@@ -1,0 +1,55 @@
+"""Runs the pipeline on this machine: Kubeflow's local runner, worker processes here,
+MLflow on a SQLite file in the work directory (unless a tracking URI is given)."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import kfp.local
+
+from components import tracking
+
+from .pipeline import build
+
+
+def run_local(
+    work_dir: str,
+    dataset: str = "synthetic",
+    data_dir: str = "",
+    input_file: str = "",
+    workers: int = 1,
+    epochs: int = 1,
+    preset: str = "hstu",
+    extra_args: str = "",
+    tracking_uri: str = "",
+    seed: int = 0,
+    synthetic_users: int = 6040,
+) -> dict:
+    """Executes every step; returns and writes `<work_dir>/metrics.json`."""
+    work = Path(work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    tracking_uri = tracking_uri or tracking.default_tracking_uri(work)
+    params = {
+        "dataset": dataset, "workers": workers, "epochs": epochs, "preset": preset,
+        "seed": seed, "extra_args": extra_args, "work_dir": str(work),
+    }
+    run_id = tracking.start_run(tracking_uri, {}, run_name=f"{dataset}-{preset}")
+    tracking.log_params(tracking_uri, run_id, {"pipeline_" + k: v for k, v in params.items()})
+    # the local runner starts each step with `python3` from PATH: make it this interpreter
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(work / "kfp"))
+    try:
+        build()(
+            work_dir=str(work), dataset=dataset, data_dir=str(Path(data_dir).resolve()) if data_dir else "",
+            input_file=str(Path(input_file).resolve()) if input_file else "", seed=seed,
+            synthetic_users=synthetic_users, workers=workers, preset=preset, epochs=epochs,
+            extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id,
+        )
+    except BaseException:
+        tracking.finish_run(tracking_uri, run_id, "FAILED")
+        raise
+    tracking.finish_run(tracking_uri, run_id)
+    results = json.loads((work / "evaluation" / "metrics.json").read_text())
+    results |= {"run_id": run_id, "tracking_uri": tracking_uri}
+    (work / "metrics.json").write_text(json.dumps(results, indent=2))
+    return results
