@@ -1,7 +1,7 @@
 """The MLflow pyfunc model, defined from code so that nothing is pickled.
 
 Input: a DataFrame with a `history` column (list of item ids, oldest first) and optional
-`k`; output: one list of recommended item ids per row.
+`k` column (default 10); output: one list of recommended item ids per row.
 """
 import mlflow
 from mlflow.pyfunc import PythonModel
@@ -14,8 +14,11 @@ class HSTURecommender(PythonModel):
         self.recommender = Recommender.load(context.artifacts["export"])
 
     def predict(self, context, model_input, params=None):
-        k = int((params or {}).get("k", 10))
-        return [[item for item, _ in self.recommender.recommend(list(h), k=k)] for h in model_input["history"]]
+        ks = model_input["k"] if "k" in model_input else [10] * len(model_input)
+        return [
+            [item for item, _ in self.recommender.recommend(list(h), k=int(k))]
+            for h, k in zip(model_input["history"], ks)
+        ]
 
 
 mlflow.models.set_model(HSTURecommender())

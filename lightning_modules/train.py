@@ -35,7 +35,7 @@ class EpochCheckpoint(Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         final = self.directory / f"epoch={trainer.current_epoch:04d}.ckpt"
         tmp = final.with_name(f".{final.name}.partial")
-        trainer.save_checkpoint(tmp)  # every rank: the module dumps its table shard
+        trainer.save_checkpoint(tmp, weights_only=False)  # every rank: the module dumps its table shard
         if trainer.is_global_zero:
             os.replace(tmp, final)
             # one dump per checkpoint, both named in increasing order

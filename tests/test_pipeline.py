@@ -1,0 +1,148 @@
+"""The pipeline end to end on the local runner, MLflow contents, export, and the cluster path:
+compiled IR, PyTorchJob rendering and validation, and the local PyTorchJob launcher."""
+import json
+
+import mlflow
+import pandas as pd
+import pytest
+import yaml
+from kfp import components as kfp_components
+from mlflow.tracking import MlflowClient
+
+from components import pytorchjob
+from kernels.dynamic_embedding import read_manifest
+from lightning_modules.export import Recommender
+from pipelines.cli import main as hstu
+from pipelines.launcher import replica_envs
+
+TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("run")
+    hstu(["run", "--dataset", "synthetic", "--synthetic-users", "48", "--work-dir", str(work),
+          "--workers", "1", "--epochs", "2", "--train-args", TINY])
+    return work
+
+
+def test_run_writes_metrics_for_model_and_baseline(pipeline_run):
+    results = json.loads((pipeline_run / "metrics.json").read_text())
+    for who in ("model", "most_popular"):
+        assert results[who]["users"] == 48
+        assert 0 <= results[who]["ndcg@10"] <= results[who]["hr@10"] <= results[who]["hr@50"] <= results[who]["hr@200"] <= 1
+    assert results["tracking_uri"] == f"sqlite:///{pipeline_run.resolve() / 'mlflow.db'}"
+
+
+def test_mlflow_run_has_params_curves_metrics_artifacts_and_a_registered_model(pipeline_run):
+    results = json.loads((pipeline_run / "metrics.json").read_text())
+    client = MlflowClient(results["tracking_uri"])
+    run = client.get_run(results["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["dataset"] == "synthetic" and run.data.params["model/num_blocks"] == "2"
+    steps = read_manifest(pipeline_run / "train" / "model" / "embeddings")["step"]
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert len(loss) == steps and steps > 2
+    assert run.data.metrics["test/hr_at_10"] == pytest.approx(results["model"]["hr@10"])
+    assert run.data.metrics["baseline/ndcg_at_10"] == pytest.approx(results["most_popular"]["ndcg@10"])
+    assert run.data.metrics["emb/size"] > 0
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")} == {
+        "evaluation/metrics.json", "evaluation/training_curve.png"}
+    version = client.get_model_version("hstu", run.data.params["registered_model_version"])
+    assert version.run_id == run.info.run_id
+    mlflow.set_tracking_uri(results["tracking_uri"])
+    served = mlflow.pyfunc.load_model(f"models:/hstu/{version.version}")
+    history = pd.read_parquet(pipeline_run / "data" / "test.parquet")["item_ids"][0].tolist()
+    predictions = served.predict(pd.DataFrame({"history": [history[:-1]], "k": [5]}))
+    assert len(predictions[0]) == 5 and not set(predictions[0]) & set(history[:-1])
+
+
+def test_export_loader_returns_topk_for_a_history(pipeline_run, capsys):
+    rec = Recommender.load(pipeline_run / "export")
+    catalog = set(rec.item_ids.tolist())
+    history = list(catalog)[:5]
+    top = rec.recommend(history, k=7)
+    assert len(top) == 7 and all(i in catalog and i not in history for i, _ in top)
+    assert [s for _, s in top] == sorted((s for _, s in top), reverse=True)
+    assert len(rec.recommend([], k=3)) == 3  # an empty history still answers
+    hstu(["recommend", "--export", str(pipeline_run / "export"), "--history", ",".join(map(str, history)), "-k", "4"])
+    assert len(capsys.readouterr().out.strip().splitlines()) == 4
+
+
+def test_compiled_pipeline_loads_back_with_kfp(tmp_path):
+    path = tmp_path / "pipeline.yaml"
+    hstu(["compile", "--out", str(path), "--image", "registry.example/hstu:1", "--pvc", "hstu-work"])
+    component = kfp_components.load_component_from_file(str(path))
+    assert component.name == "hstu-train-evaluate-export"
+    docs = list(yaml.safe_load_all(path.read_text()))
+    tasks = docs[0]["root"]["dag"]["tasks"]
+    assert set(tasks) == {"prepare-data", "train", "dump", "evaluate", "export"}
+    assert tasks["export"]["dependentTasks"] == ["dump", "evaluate", "prepare-data"]
+    executors = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert all(e["pvcMount"][0]["constant"] == "hstu-work" for e in executors.values()) and len(executors) == 5
+    images = {e["container"]["image"] for e in docs[0]["deploymentSpec"]["executors"].values()}
+    assert images == {"registry.example/hstu:1"}
+
+
+@pytest.fixture(scope="module")
+def crd(shared_dir):
+    return yaml.safe_load((shared_dir / "schemas" / "kubeflow.org_pytorchjobs.yaml").read_text())
+
+
+def test_manifest_validates_against_the_crd(tmp_path, crd, shared_dir):
+    out = tmp_path / "job.yaml"
+    hstu(["manifest", "--data-dir", "/workspace/data", "--out-dir", "/workspace/train", "--nodes", "3",
+          "--nproc-per-node", "2", "--gpus", "2", "--pvc", "hstu-work",
+          "--schema", str(shared_dir / "schemas" / "kubeflow.org_pytorchjobs.yaml"), "-o", str(out)])
+    job = yaml.safe_load(out.read_text())
+    pytorchjob.validate(job, crd)
+    spec = job["spec"]
+    assert spec["pytorchReplicaSpecs"]["Master"]["replicas"] == 1 and spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    container = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch" and container["command"][:3] == ["torchrun", "-m", "lightning_modules.train"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    envs = replica_envs(job, master_port=23456)
+    assert [e["RANK"] for _, e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for _, e in envs} == {"6"}
+    assert {e["PET_NNODES"] for _, e in envs} == {"3"} and envs[2][1]["PET_NODE_RANK"] == "2"
+
+
+def test_invalid_manifests_are_refused(crd):
+    good = pytorchjob.render(pytorchjob.JobSpec(name="j", image="i", train_args=[]))
+    bad = json.loads(json.dumps(good))
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 2
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] = "Sometimes"
+    bad["spec"]["runPolicy"]["unknownField"] = 1
+    with pytest.raises(ValueError) as e:
+        pytorchjob.validate(bad, crd)
+    for message in ("exactly 1 replica", "no container named 'pytorch'", "restartPolicy must be", "unknownField"):
+        assert message in str(e.value)
+
+
+def test_local_launcher_trains_from_a_rendered_manifest(tmp_path):
+    data, train, job_file = tmp_path / "data", tmp_path / "train", tmp_path / "job.yaml"
+    hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "30", "--out", str(data)])
+    hstu(["manifest", "--data-dir", str(data), "--out-dir", str(train), "--nodes", "2", "--epochs", "1",
+          "--train-args", TINY + " --accelerator cpu", "-o", str(job_file)])
+    hstu(["launch", str(job_file)])
+    manifest = read_manifest(train / "model" / "embeddings")
+    assert manifest["world_size"] == 2 and manifest["total_rows"] > 0
+
+
+def test_submit_creates_the_job_and_waits():
+    calls = []
+
+    class FakeCustomApi:
+        def create_namespaced_custom_object(self, *args):
+            calls.append(("create", args))
+
+    class FakeClient:
+        custom_api = FakeCustomApi()
+
+        def wait_for_job_conditions(self, **kw):
+            calls.append(("wait", kw))
+
+    job = pytorchjob.render(pytorchjob.JobSpec(name="j", image="i", train_args=["--epochs", "1"], namespace="ml"))
+    pytorchjob.submit(job, client=FakeClient())
+    assert calls[0] == ("create", ("kubeflow.org", "v1", "ml", "pytorchjobs", job))
+    assert calls[1][1]["name"] == "j" and calls[1][1]["job_kind"] == "PyTorchJob"
