@@ -45,8 +45,8 @@ def prepare_step(
 def train_args(data_dir: str, out_dir: str, preset: str, epochs: int, tracking_uri: str, run_id: str, extra: list[str] | None = None) -> list[str]:
     """Arguments of `python -m lightning_modules.train`, shared by local and cluster runs."""
     args = ["--data-dir", data_dir, "--out-dir", out_dir, "--preset", preset, "--epochs", str(epochs)]
-    if _tracked(tracking_uri, run_id):
-        args += ["--tracking-uri", tracking_uri, "--run-id", run_id]
+    if tracking_uri:  # without a run id the workers start a run of their own
+        args += ["--tracking-uri", tracking_uri] + (["--run-id", run_id] if run_id else [])
     return args + list(extra or [])
 
 

@@ -13,15 +13,15 @@ def default_tracking_uri(work_dir: str | Path) -> str:
     return f"sqlite:///{Path(work_dir).resolve() / 'mlflow.db'}"
 
 
-def start_run(tracking_uri: str, params: dict, run_name: str | None = None, experiment: str = EXPERIMENT) -> str:
-    """Creates the pipeline's run (left open for the steps) and returns its id."""
+def start_run(tracking_uri: str, run_name: str | None = None, experiment: str = EXPERIMENT, artifact_root: str | None = None) -> str:
+    """Creates the pipeline's run (left open for the steps) and returns its id. A new
+    experiment keeps its artifacts under `artifact_root` when given (else the server's
+    default; for a SQLite store that would be ./mlruns of whatever directory is current)."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
-    run = client.create_run(exp_id, run_name=run_name)
-    for k, v in params.items():
-        client.log_param(run.info.run_id, k, v)
-    return run.info.run_id
+    location = Path(artifact_root).resolve().as_uri() if artifact_root else None
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=location)
+    return client.create_run(exp_id, run_name=run_name).info.run_id
 
 
 def finish_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:

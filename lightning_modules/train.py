@@ -94,7 +94,7 @@ def main(argv=None) -> Path:
     if args.tracking_uri:
         from lightning.pytorch.loggers import MLFlowLogger  # imports mlflow only when asked
 
-        logger = MLFlowLogger(tracking_uri=args.tracking_uri, run_id=args.run_id)
+        logger = MLFlowLogger(experiment_name="hstu", tracking_uri=args.tracking_uri, run_id=args.run_id)
         logger.log_hyperparams({f"model/{k}": v for k, v in config.to_dict().items()})
 
     data = SequenceDataModule(args.data_dir, config.max_seq_len, config.batch_size)

@@ -28,12 +28,15 @@ def run_local(
     """Executes every step; returns and writes `<work_dir>/metrics.json`."""
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    embedded = not tracking_uri
     tracking_uri = tracking_uri or tracking.default_tracking_uri(work)
     params = {
         "dataset": dataset, "workers": workers, "epochs": epochs, "preset": preset,
         "seed": seed, "extra_args": extra_args, "work_dir": str(work),
     }
-    run_id = tracking.start_run(tracking_uri, {}, run_name=f"{dataset}-{preset}")
+    run_id = tracking.start_run(
+        tracking_uri, run_name=f"{dataset}-{preset}", artifact_root=str(work / "mlartifacts") if embedded else None
+    )
     tracking.log_params(tracking_uri, run_id, {"pipeline_" + k: v for k, v in params.items()})
     # the local runner starts each step with `python3` from PATH: make it this interpreter
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")

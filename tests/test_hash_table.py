@@ -31,7 +31,7 @@ def test_growing_table_behaves_like_a_dict(sequence):
             new = set(key_list) - set(model)
             assert {k for k, i in zip(key_list, inserted.tolist()) if i} == new
             for k in new:
-                model[k] = [0.0, 0.0, 0.0]  # the table leaves new rows zeroed for the caller
+                model[k] = None  # a new row's values are unspecified until the caller writes them
         elif op == "insert_or_assign":
             rows = rows_for(keys, 3, step)
             table.insert_or_assign(keys, rows, torch.full_like(keys, step))
@@ -45,7 +45,7 @@ def test_growing_table_behaves_like_a_dict(sequence):
         slots = table.find(keys)
         for k, s in zip(key_list, slots.tolist()):
             assert (s != MISSING) == (k in model)
-            if k in model:
+            if model.get(k) is not None:
                 assert table.values[s].tolist() == pytest.approx(model[k])
         assert table.size() == len(model)
     keys, rows, _ = table.export()

@@ -1,6 +1,7 @@
 """The pipeline end to end on the local runner, MLflow contents, export, and the cluster path:
 compiled IR, PyTorchJob rendering and validation, and the local PyTorchJob launcher."""
 import json
+from pathlib import Path
 
 import mlflow
 import pandas as pd
@@ -32,6 +33,9 @@ def test_run_writes_metrics_for_model_and_baseline(pipeline_run):
         assert results[who]["users"] == 48
         assert 0 <= results[who]["ndcg@10"] <= results[who]["hr@10"] <= results[who]["hr@50"] <= results[who]["hr@200"] <= 1
     assert results["tracking_uri"] == f"sqlite:///{pipeline_run.resolve() / 'mlflow.db'}"
+    # artifacts stay in the work directory, not in ./mlruns of the current directory
+    assert any((pipeline_run / "mlartifacts").rglob("training_curve.png"))
+    assert not (Path.cwd() / "mlruns").exists()
 
 
 def test_mlflow_run_has_params_curves_metrics_artifacts_and_a_registered_model(pipeline_run):
@@ -146,3 +150,12 @@ def test_submit_creates_the_job_and_waits():
     pytorchjob.submit(job, client=FakeClient())
     assert calls[0] == ("create", ("kubeflow.org", "v1", "ml", "pytorchjobs", job))
     assert calls[1][1]["name"] == "j" and calls[1][1]["job_kind"] == "PyTorchJob"
+
+
+def test_checked_in_manifest_is_what_the_cli_renders(tmp_path, crd):
+    base = Path(__file__).parents[1] / "manifests" / "base" / "pytorchjob.yaml"
+    header = [line for line in base.read_text().splitlines() if line.startswith("#")]
+    args = " ".join(line.lstrip("# ").rstrip("\\ ") for line in header).split("hstu manifest", 1)[1].split()
+    hstu(["manifest", *args, "-o", str(tmp_path / "job.yaml")])
+    assert yaml.safe_load(base.read_text()) == yaml.safe_load((tmp_path / "job.yaml").read_text())
+    pytorchjob.validate(yaml.safe_load(base.read_text()), crd)

@@ -119,8 +119,8 @@ class ReferenceHashTable:
 
         `scores` (N,) int64 is the score each key's row gets (for existing keys the caller's
         policy already folded the old score in). Returns (slots, inserted, evicted); a slot
-        is MISSING only for a new key that lost to every row of its full bucket. New rows'
-        values are left for the caller to initialize.
+        is MISSING only for a new key that lost to every row of its full bucket. A new row's
+        values are unspecified (a reused slot keeps old values) until the caller writes them.
         """
         keys = self._check_keys(keys)
         evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
