@@ -24,24 +24,44 @@ def valid_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
 
+class _GatherBias(torch.autograd.Function):
+    """table[index] for a small table and a large index. The backward sums gradients with
+    one index_add_, where the default (index_put_ with accumulate) sorts the whole index."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.size = table.numel()
+        return table[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        table_grad = grad.new_zeros(ctx.size).index_add_(0, index.reshape(-1), grad.reshape(-1))
+        return table_grad, None
+
+
+def bias_indices(timestamps: torch.Tensor, max_seq_len: int, num_time_buckets: int):
+    """Shared by every block: relative position index (L, L) into a (2·max_len − 1) table,
+    and log-scaled time gap bucket (B, L, L) into a (num_time_buckets + 1) table."""
+    L = timestamps.shape[1]
+    pos = torch.arange(L, device=timestamps.device)
+    rel = (pos[None, :] - pos[:, None]).clamp(-(max_seq_len - 1), max_seq_len - 1) + max_seq_len - 1
+    gap = (timestamps[:, :, None] - timestamps[:, None, :]).abs().clamp(min=1).float()
+    bucket = (torch.log(gap) / 0.301).long().clamp(0, num_time_buckets)
+    return rel, bucket
+
+
 class RelativeBias(nn.Module):
     """Learned bias per relative position (j - i) and per log-scaled time gap bucket."""
 
     def __init__(self, max_seq_len: int, num_time_buckets: int):
         super().__init__()
-        self.max_seq_len = max_seq_len
-        self.num_time_buckets = num_time_buckets
         self.position = nn.Parameter(torch.empty(2 * max_seq_len - 1).normal_(0, 0.02))
         self.time = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(0, 0.02))
 
-    def forward(self, timestamps: torch.Tensor) -> torch.Tensor:
-        L = timestamps.shape[1]
-        pos = torch.arange(L, device=timestamps.device)
-        rel = (pos[None, :] - pos[:, None]).clamp(-(self.max_seq_len - 1), self.max_seq_len - 1)
-        pos_bias = self.position[rel + self.max_seq_len - 1]  # (L, L)
-        gap = (timestamps[:, :, None] - timestamps[:, None, :]).abs().clamp(min=1).float()
-        bucket = (torch.log(gap) / 0.301).long().clamp(0, self.num_time_buckets)
-        return pos_bias[None] + self.time[bucket]  # (B, L, L)
+    def forward(self, rel: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
+        return self.position[rel][None] + _GatherBias.apply(self.time, bucket)  # (B, L, L)
 
 
 class HSTUBlock(nn.Module):
@@ -56,14 +76,14 @@ class HSTUBlock(nn.Module):
         self.dropout = nn.Dropout(c.dropout)
         self.bias = RelativeBias(c.max_seq_len, c.num_time_buckets)
 
-    def forward(self, x: torch.Tensor, timestamps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias_index: tuple, mask: torch.Tensor) -> torch.Tensor:
         B, L, _ = x.shape
         H, dqk, dv = self.heads, self.dqk, self.dv
         u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split([H * dv, H * dv, H * dqk, H * dqk], dim=-1)
         q = q.view(B, L, H, dqk).transpose(1, 2)  # (B, H, L, dqk)
         k = k.view(B, L, H, dqk).transpose(1, 2)
         v = v.view(B, L, H, dv).transpose(1, 2)
-        scores = q @ k.transpose(-1, -2) + self.bias(timestamps)[:, None]  # (B, H, L, L)
+        scores = q @ k.transpose(-1, -2) + self.bias(*bias_index)[:, None]  # (B, H, L, L)
         causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
         allowed = causal[None] & mask[:, None, :]  # (B, L, L): past, valid keys
         attn = F.silu(scores) / self.max_seq_len * allowed[:, None]
@@ -88,8 +108,9 @@ class HSTU(nn.Module):
         mask = valid_mask(lengths, L)
         x = item_emb * math.sqrt(D) + self.positions.weight[:L][None]
         x = self.input_dropout(x) * mask[..., None]
+        bias_index = bias_indices(timestamps, self.config.max_seq_len, self.config.num_time_buckets)
         for block in self.blocks:
-            x = block(x, timestamps, mask) * mask[..., None]
+            x = block(x, bias_index, mask) * mask[..., None]
         return F.normalize(x, dim=-1)
 
 
