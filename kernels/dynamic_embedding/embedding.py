@@ -21,6 +21,20 @@ from .optimizers import OptimizerConfig
 from .table import MISSING, ReferenceHashTable
 
 EVICTION_POLICIES = ("lru", "lfu")
+BACKENDS = ("auto", "reference", "triton")
+
+
+def table_class(backend: str, device: torch.device):
+    """The table implementation: Triton on CUDA and the PyTorch reference elsewhere for
+    "auto"; "reference" or "triton" force one (tests, benchmarks; Triton on CPU needs
+    TRITON_INTERPRET=1)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown table backend {backend!r}; choose from {BACKENDS}")
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        from .triton_table import TritonHashTable
+
+        return TritonHashTable
+    return ReferenceHashTable
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,7 @@ class EmbeddingConfig:
     bucket_size: int = 32
     max_load_factor: float = 0.75
     eviction: str = "lru"  # score = step of last use (lru) or use count (lfu)
+    backend: str = "auto"  # table implementation, see table_class
 
     def __post_init__(self):
         if self.eviction not in EVICTION_POLICIES:
@@ -82,7 +97,7 @@ class DynamicEmbedding:
     def __init__(self, config: EmbeddingConfig, device: torch.device | str = "cpu"):
         self.config = config
         self.device = torch.device(device)
-        self.table = ReferenceHashTable(
+        self.table = table_class(config.backend, self.device)(
             config.row_dim,
             capacity=config.capacity,
             max_capacity=config.max_capacity,

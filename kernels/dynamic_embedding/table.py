@@ -25,6 +25,16 @@ from .hashing import EMPTY_KEY, bucket_of
 MISSING = -1  # slot index returned for a key that is not stored
 
 
+def _last_occurrence(keys: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: True at the last copy of each key."""
+    uniq, inverse = torch.unique(keys, return_inverse=True)
+    last = torch.zeros(uniq.numel(), dtype=torch.int64, device=keys.device)
+    last.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=keys.device), "amax")
+    mask = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
+    mask[last] = True
+    return mask
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -152,13 +162,41 @@ class ReferenceHashTable:
         keys = self._check_keys(keys)
         if keys.numel() == 0:
             return Evicted.empty(self.row_dim, self.dtype, self.device)
-        # keep the last occurrence of each key
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-        last = torch.zeros(uniq.numel(), dtype=torch.int64, device=self.device)
-        last.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=self.device), "amax")
-        slots, _, evicted = self.find_or_insert(uniq, scores.to(self.device)[last])
+        last = _last_occurrence(keys)
+        slots, _, evicted = self.find_or_insert(keys[last], scores.to(self.device)[last])
         ok = slots != MISSING
-        self.values[slots[ok]] = rows.to(self.device, self.dtype)[last[ok]]
+        self.values[slots[ok]] = rows.to(self.device, self.dtype)[last][ok]
+        return evicted
+
+    def assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Overwrites the rows (and scores, if given) of keys already stored, last copy
+        winning; never inserts. Returns which keys were found."""
+        keys = self._check_keys(keys)
+        slots = self.find(keys)
+        found = slots != MISSING
+        last = _last_occurrence(keys)
+        write = found & last
+        self.values[slots[write]] = rows.to(self.device, self.dtype)[write]
+        if scores is not None:
+            self.scores[slots[write]] = scores.to(self.device, torch.int64)[write]
+        return found
+
+    def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor, scores: torch.Tensor) -> Evicted:
+        """Adds deltas to the rows of keys (copies of a key summed); a missing key is
+        inserted with its summed delta as its row."""
+        keys = self._check_keys(keys)
+        if keys.numel() == 0:
+            return Evicted.empty(self.row_dim, self.dtype, self.device)
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        summed = torch.zeros(uniq.numel(), self.row_dim, dtype=self.dtype, device=self.device)
+        summed.index_add_(0, inverse, deltas.to(self.device, self.dtype))
+        uscores = torch.full_like(uniq, torch.iinfo(torch.int64).min)
+        uscores.scatter_reduce_(0, inverse, scores.to(self.device, torch.int64), "amax")
+        slots, inserted, evicted = self.find_or_insert(uniq, uscores)
+        ok = slots != MISSING
+        self.values[slots[inserted]] = summed[inserted]
+        old = ok & ~inserted
+        self.values[slots[old]] += summed[old]
         return evicted
 
     def erase(self, keys: torch.Tensor) -> int:

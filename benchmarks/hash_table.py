@@ -1,0 +1,149 @@
+"""Hash-table throughput on HierarchicalKV's benchmark workload, in billions of keys/s.
+
+    python benchmarks/hash_table.py                 # the full grid (needs ~40 GB of GPU memory)
+    python benchmarks/hash_table.py --dims 64 --scale 0.125
+
+int64 keys, fp32 values, 1,048,576 keys per call, dim 8 / 64 / 128 with capacity
+128M / 64M / 32M, load factor 0.5 and 1.0, bucket size 128. Per call:
+- find: present keys only; returns values (fused probe + copy) and the found mask.
+- find_or_insert: half present, half new keys; new rows get initial values; returns values.
+- insert_or_assign: half present, half new keys, with their values.
+- export: every stored row (keys, values, scores); keys/s = rows exported per second.
+New keys are erased after each timed call (untimed) so the load factor holds. Baselines
+from the same run: index_select of random rows (a gather with no probe) and searchsorted
+over the sorted stored keys followed by that gather. Times are CUDA-event medians.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.dynamic_embedding.triton_table import TritonHashTable  # noqa: E402
+
+BATCH = 1 << 20
+CAPACITY = {8: 128 << 20, 64: 64 << 20, 128: 32 << 20}
+HKV_H100 = {  # HierarchicalKV's published H100 figures, billions of keys/s (λ 0.5, 1.0)
+    (64, "find"): (3.12, 3.28), (64, "find_or_insert"): (1.49, 1.09), (64, "insert_or_assign"): (1.54, 1.14),
+    (128, "find"): (2.35, 2.29), (128, "find_or_insert"): (1.17, 0.98), (128, "insert_or_assign"): (1.18, 0.93),
+}
+
+
+def timed(fn, setup=None, after=None, reps: int = 10) -> float:
+    """Median seconds of fn() over reps, CUDA events around the call only."""
+    times = []
+    for _ in range(reps + 2):
+        args = setup() if setup else ()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+        if after:
+            after(*args)
+    return sorted(times[2:])[len(times[2:]) // 2]  # first two are warm-up
+
+
+def fill(table: TritonHashTable, load_factor: float, gen: torch.Generator) -> torch.Tensor:
+    """Inserts random keys until the load factor is reached; returns the stored keys."""
+    target = int(load_factor * table.capacity)
+    size = 0
+    while size < target - table.capacity // 1000 and size < 2 * table.capacity:
+        keys = torch.randint(-(2**62), 2**62, (BATCH,), device="cuda", generator=gen)
+        rows = torch.randn(BATCH, table.row_dim, device="cuda", generator=gen)
+        n = min(BATCH, max(target - size, 1))
+        table.insert_or_assign(keys[:n], rows[:n], torch.zeros(n, dtype=torch.int64, device="cuda"))
+        size = table.size()
+    return table.export()[0]
+
+
+def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(dim)
+    capacity = int(CAPACITY[dim] * scale)
+    table = TritonHashTable(dim, capacity=capacity, max_capacity=capacity, bucket_size=128, max_load_factor=1.0, device="cuda")
+    stored = fill(table, load_factor, gen)
+    actual_lf = table.load_factor()
+    step = [1]
+
+    def present():
+        return stored[torch.randint(len(stored), (BATCH,), device="cuda", generator=gen)]
+
+    def mixed():
+        half = BATCH // 2
+        new = torch.randint(-(2**62), 2**62, (BATCH - half,), device="cuda", generator=gen)
+        return (torch.cat([present()[:half], new]),)
+
+    def forget(keys):  # undo the call's inserts
+        table.erase(keys[BATCH // 2 :])
+
+    out = torch.empty(BATCH, dim, device="cuda")
+    rows = torch.randn(BATCH, dim, device="cuda", generator=gen)
+
+    def find(keys):
+        table.find_values(keys, out)
+
+    def find_or_insert(keys):
+        step[0] += 1
+        slots, inserted, _ = table.find_or_insert(keys, torch.full_like(keys, step[0]))
+        table.values[slots[inserted]] = rows[inserted]
+        torch.index_select(table.values, 0, slots.clamp(min=0), out=out)
+
+    def insert_or_assign(keys):
+        step[0] += 1
+        table.insert_or_assign(keys, rows, torch.full_like(keys, step[0]))
+
+    slots = torch.randint(table.capacity, (BATCH,), device="cuda", generator=gen)
+    sorted_keys, order = torch.sort(stored)
+
+    def searchsorted(keys):
+        pos = torch.searchsorted(sorted_keys, keys).clamp(max=len(sorted_keys) - 1)
+        torch.index_select(table.values, 0, order[pos], out=out)
+
+    results = {
+        "find": timed(find, lambda: (present(),), reps=reps),
+        "find_or_insert": timed(find_or_insert, mixed, forget, reps=reps),
+        "insert_or_assign": timed(insert_or_assign, mixed, forget, reps=reps),
+        "export": timed(table.export, reps=max(3, reps // 3)),
+        "baseline_index_select": timed(lambda: torch.index_select(table.values, 0, slots, out=out), reps=reps),
+        "baseline_searchsorted": timed(searchsorted, lambda: (present(),), reps=reps),
+    }
+    rows_out = []
+    for op, seconds in results.items():
+        keys = table.size() if op == "export" else BATCH
+        hkv = HKV_H100.get((dim, op))
+        rows_out.append({
+            "op": op, "dim": dim, "load_factor": load_factor, "actual_load_factor": round(actual_lf, 4),
+            "capacity": table.capacity, "keys": keys, "seconds": seconds, "billion_keys_per_s": keys / seconds / 1e9,
+            "hkv_h100_billion_keys_per_s": hkv[0 if load_factor == 0.5 else 1] if hkv else None,
+        })
+    del table
+    torch.cuda.empty_cache()
+    return rows_out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", type=int, nargs="+", default=[8, 64, 128])
+    p.add_argument("--load-factors", type=float, nargs="+", default=[0.5, 1.0])
+    p.add_argument("--scale", type=float, default=1.0, help="capacity multiplier (smaller GPUs, quick runs)")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "hash_table.json"))
+    args = p.parse_args()
+    rows = [r for d in args.dims for lf in args.load_factors for r in run(d, lf, args.scale, args.reps)]
+    print(f"\n{torch.cuda.get_device_name()}, batch {BATCH} keys, billions of keys/s")
+    print(f"{'op':<24}{'dim':>5}{'λ':>6}{'λ real':>8}{'B keys/s':>10}{'HKV H100':>10}")
+    for r in rows:
+        hkv = f"{r['hkv_h100_billion_keys_per_s']:.2f}" if r["hkv_h100_billion_keys_per_s"] else "-"
+        print(f"{r['op']:<24}{r['dim']:>5}{r['load_factor']:>6}{r['actual_load_factor']:>8}{r['billion_keys_per_s']:>10.3f}{hkv:>10}")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": BATCH, "bucket_size": 128, "scale": args.scale}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

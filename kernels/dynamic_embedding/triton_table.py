@@ -1,0 +1,261 @@
+"""The Triton hash table: the reference table's semantics, with the memory-bound work in
+Triton kernels.
+
+Each slot also carries a one-byte digest (the hash's top byte): a probe reads a bucket's
+digests (bucket_size bytes) and loads full keys only where the digest matches. Batch
+bookkeeping (deduplication, per-bucket ranks) stays in torch; slot choice, eviction
+victims, writes, value gathers and export compaction are kernels. New keys are placed in
+two launches, one that only reads (choose a slot) and one that only writes, so no kernel
+races with itself and the layout is the reference's, bit for bit.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .hashing import EMPTY_KEY, bucket_of
+from .table import MISSING, Evicted, ReferenceHashTable
+
+@triton.jit
+def _hash(k):
+    """MurmurHash3 fmix64 on int64 keys (as uint64); equals hashing.hash64."""
+    h = k.to(tl.uint64, bitcast=True)
+    h = h ^ (h >> 33)
+    h = h * 0xFF51AFD7ED558CCD
+    h = h ^ (h >> 33)
+    h = h * 0xC4CEB9FE1A85EC53
+    h = h ^ (h >> 33)
+    return h
+
+
+@triton.jit
+def _find_kernel(
+    query_ptr, n, table_keys_ptr, digests_ptr, slot_ptr, bucket_mask,
+    values_ptr, out_ptr, row_dim, out_dim,
+    BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
+):
+    """slot of each query key (or -1); with GATHER, also copies the first out_dim values of
+    found rows into out (rows of missing keys are left untouched)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    key = tl.load(query_ptr + offs, mask=live, other=0)
+    h = _hash(key)
+    bucket = (h & bucket_mask.to(tl.uint64)).to(tl.int64)
+    digest = (h >> 56).to(tl.uint8)
+    slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    digests = tl.load(digests_ptr + slots, mask=live[:, None], other=0)
+    maybe = (digests == digest[:, None]) & live[:, None]
+    keys = tl.load(table_keys_ptr + slots, mask=maybe, other=0)
+    hit = maybe & (keys == key[:, None])
+    found = tl.max(hit.to(tl.int32), axis=1) > 0
+    slot = tl.where(found, tl.sum(tl.where(hit, slots, 0), axis=1), -1)
+    tl.store(slot_ptr + offs, slot, mask=live)
+    if GATHER:
+        for c in range(0, out_dim, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            m = found[:, None] & (cols[None, :] < out_dim)
+            row = tl.load(values_ptr + slot[:, None] * row_dim + cols[None, :], mask=m)
+            tl.store(out_ptr + offs[:, None].to(tl.int64) * out_dim + cols[None, :], row, mask=m)
+
+
+@triton.jit
+def _choose_slots_kernel(
+    bucket_ptr, rank_ptr, new_score_ptr, n, table_keys_ptr, scores_ptr, protected_ptr,
+    slot_ptr, victim_key_ptr, victim_score_ptr, victim_flag_ptr,
+    BUCKET: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr,
+):
+    """Read-only: the slot for each new key. The r-th new key of a bucket takes the bucket's
+    r-th free slot; past the free slots (EVICT) it takes the (r - free)-th lowest
+    (score, slot) among occupied, unprotected slots, if that score is <= its own."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    bucket = tl.load(bucket_ptr + offs, mask=live, other=0)
+    rank = tl.load(rank_ptr + offs, mask=live, other=0)
+    slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    keys = tl.load(table_keys_ptr + slots, mask=live[:, None], other=0)
+    free = (keys == -9223372036854775807 - 1) & live[:, None]
+    n_free = tl.sum(free.to(tl.int64), axis=1)
+    nth_free = free & (tl.cumsum(free.to(tl.int64), axis=1) == (rank + 1)[:, None])
+    slot = tl.where(rank < n_free, tl.sum(tl.where(nth_free, slots, 0), axis=1), -1)
+    victim_key = tl.full([BLOCK], 0, tl.int64)
+    victim_score = tl.full([BLOCK], 0, tl.int64)
+    if EVICT:
+        over = live & (rank >= n_free)
+        nth = tl.where(over, rank - n_free, -1)
+        protected = tl.load(protected_ptr + slots, mask=live[:, None], other=1) != 0
+        scores = tl.load(scores_ptr + slots, mask=live[:, None], other=0)
+        cand = over[:, None] & ~free & ~protected
+        pick = tl.full([BLOCK], -1, tl.int64)
+        pick_score = tl.full([BLOCK], 0, tl.int64)
+        # remove the lowest (score, slot) candidate nth + 1 times; the last removed is the victim
+        for it in range(0, tl.max(nth, axis=0) + 1):
+            best = tl.min(tl.where(cand, scores, 9223372036854775807), axis=1)
+            at_best = cand & (scores == best[:, None])
+            first = tl.min(tl.where(at_best, slots, 9223372036854775807), axis=1)
+            any_left = tl.max(cand.to(tl.int32), axis=1) > 0
+            take = (it <= nth) & any_left
+            pick = tl.where(take, first, tl.where(it <= nth, -1, pick))
+            pick_score = tl.where(take, best, pick_score)
+            cand = cand & ~(take[:, None] & (slots == first[:, None]))
+        new_score = tl.load(new_score_ptr + offs, mask=live, other=0)
+        ok = over & (pick >= 0) & (pick_score <= new_score)
+        victim_key = tl.load(table_keys_ptr + pick, mask=ok, other=0)
+        victim_score = pick_score
+        slot = tl.where(ok, pick, slot)
+    tl.store(slot_ptr + offs, slot, mask=live)
+    if EVICT:
+        tl.store(victim_key_ptr + offs, victim_key, mask=live)
+        tl.store(victim_score_ptr + offs, victim_score, mask=live)
+        tl.store(victim_flag_ptr + offs, ok.to(tl.int8), mask=live)
+
+
+@triton.jit
+def _write_slots_kernel(slot_ptr, key_ptr, score_ptr, n, table_keys_ptr, scores_ptr, digests_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slot_ptr + offs, mask=offs < n, other=-1)
+    ok = (offs < n) & (slot >= 0)
+    key = tl.load(key_ptr + offs, mask=ok, other=0)
+    tl.store(table_keys_ptr + slot, key, mask=ok)
+    tl.store(scores_ptr + slot, tl.load(score_ptr + offs, mask=ok, other=0), mask=ok)
+    tl.store(digests_ptr + slot, (_hash(key) >> 56).to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _count_kernel(table_keys_ptr, scores_ptr, capacity, min_score, counts_ptr, BLOCK: tl.constexpr, FILTER: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < capacity
+    keep = live & (tl.load(table_keys_ptr + offs, mask=live, other=0) != -9223372036854775807 - 1)
+    if FILTER:
+        keep = keep & (tl.load(scores_ptr + offs, mask=live, other=0) >= min_score)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(keep.to(tl.int64), axis=0))
+
+
+@triton.jit
+def _export_kernel(
+    table_keys_ptr, scores_ptr, values_ptr, capacity, min_score, starts_ptr,
+    out_keys_ptr, out_values_ptr, out_scores_ptr, row_dim,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, FILTER: tl.constexpr,
+):
+    """Copies kept rows of a block of slots to out, at the block's start plus the row's
+    rank among kept rows: slot order, as the reference."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < capacity
+    key = tl.load(table_keys_ptr + offs, mask=live, other=0)
+    score = tl.load(scores_ptr + offs, mask=live, other=0)
+    keep = live & (key != -9223372036854775807 - 1)
+    if FILTER:
+        keep = keep & (score >= min_score)
+    dest = tl.load(starts_ptr + tl.program_id(0)) + tl.cumsum(keep.to(tl.int64), axis=0) - 1
+    tl.store(out_keys_ptr + dest, key, mask=keep)
+    tl.store(out_scores_ptr + dest, score, mask=keep)
+    for c in range(0, row_dim, DIM_BLOCK):
+        cols = c + tl.arange(0, DIM_BLOCK)
+        m = keep[:, None] & (cols[None, :] < row_dim)
+        row = tl.load(values_ptr + offs[:, None].to(tl.int64) * row_dim + cols[None, :], mask=m)
+        tl.store(out_values_ptr + dest[:, None] * row_dim + cols[None, :], row, mask=m)
+
+
+def _grid(n: int, block: int) -> tuple[int]:
+    return (max(1, triton.cdiv(n, block)),)
+
+
+class TritonHashTable(ReferenceHashTable):
+    """Same calls and results as ReferenceHashTable (it is the oracle), on Triton kernels.
+    Bucket sizes must be powers of two."""
+
+    FIND_BLOCK = 32
+    PLACE_BLOCK = 16
+    EXPORT_BLOCK = 256
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.bucket_size & (self.bucket_size - 1):
+            raise ValueError("the Triton table needs a power-of-two bucket_size")
+
+    def _allocate(self, num_buckets: int) -> None:
+        super()._allocate(num_buckets)
+        self.digests = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+        self._protected = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+
+    def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        n = keys.numel()
+        slots = torch.empty(n, dtype=torch.int64, device=self.device)
+        if n == 0:
+            return slots
+        gather = out is not None
+        out_dim = out.shape[1] if gather else 0
+        _find_kernel[_grid(n, self.FIND_BLOCK)](
+            keys, n, self.keys, self.digests, slots, self.num_buckets - 1,
+            self.values, out if gather else self.values, self.row_dim, out_dim,
+            BUCKET=self.bucket_size, BLOCK=self.FIND_BLOCK,
+            DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))), GATHER=gather,
+        )
+        return slots
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        return self._probe(self._check_keys(keys).contiguous())
+
+    def find_values(self, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Fused probe and copy: out[i] = first out.shape[1] values of key i's row where
+        found (other rows untouched); returns the found mask."""
+        keys = self._check_keys(keys).contiguous()
+        if out.dtype != self.dtype or not out.is_contiguous() or out.shape[0] != keys.numel():
+            raise ValueError("out must be a contiguous (N, d) tensor of the table's dtype")
+        return self._probe(keys, out) != MISSING
+
+    def _place(self, new_keys: torch.Tensor, new_scores: torch.Tensor, used_keys: torch.Tensor) -> Evicted:
+        S = self.bucket_size
+        buckets = bucket_of(new_keys, self.num_buckets)
+        buckets, order = torch.sort(buckets, stable=True)
+        keys_sorted = new_keys[order].contiguous()
+        scores_sorted = new_scores[order].contiguous()
+        _, counts = torch.unique_consecutive(buckets, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(buckets.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
+        at_max = self.num_buckets >= self.max_num_buckets
+        if not at_max:  # grow instead of evicting when any bucket lacks room
+            free = (self.keys.view(self.num_buckets, S)[buckets] == EMPTY_KEY).sum(1)
+            if bool((rank >= free).any()):
+                self._grow()
+                return self._place(new_keys, new_scores, used_keys)
+        M = keys_sorted.numel()
+        slots = torch.empty(M, dtype=torch.int64, device=self.device)
+        evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
+        if at_max:
+            victim_keys, victim_scores = torch.empty_like(slots), torch.empty_like(slots)
+            victim = torch.empty(M, dtype=torch.int8, device=self.device)
+            used = self._probe(used_keys.contiguous())
+            used = used[used != MISSING]
+            self._protected[used] = 1  # rows this call uses are never evicted
+        else:
+            victim_keys = victim_scores = victim = slots  # not touched without EVICT
+        _choose_slots_kernel[_grid(M, self.PLACE_BLOCK)](
+            buckets.contiguous(), rank.contiguous(), scores_sorted, M, self.keys, self.scores, self._protected,
+            slots, victim_keys, victim_scores, victim,
+            BUCKET=S, BLOCK=self.PLACE_BLOCK, EVICT=at_max,
+        )
+        if at_max:
+            self._protected[used] = 0
+            v = victim.bool()
+            evicted = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])
+        _write_slots_kernel[_grid(M, self.FIND_BLOCK)](
+            slots, keys_sorted, scores_sorted, M, self.keys, self.scores, self.digests, BLOCK=self.FIND_BLOCK
+        )
+        return evicted
+
+    def export(self, min_score: int | None = None):
+        n_blocks = _grid(self.capacity, self.EXPORT_BLOCK)[0]
+        counts = torch.empty(n_blocks, dtype=torch.int64, device=self.device)
+        filt = min_score is not None
+        ms = int(min_score) if filt else 0
+        _count_kernel[(n_blocks,)](self.keys, self.scores, self.capacity, ms, counts, BLOCK=self.EXPORT_BLOCK, FILTER=filt)
+        starts = torch.cumsum(counts, 0) - counts
+        total = int(counts.sum())
+        keys = torch.empty(total, dtype=torch.int64, device=self.device)
+        scores = torch.empty(total, dtype=torch.int64, device=self.device)
+        values = torch.empty(total, self.row_dim, dtype=self.dtype, device=self.device)
+        if total:
+            _export_kernel[(n_blocks,)](
+                self.keys, self.scores, self.values, self.capacity, ms, starts, keys, values, scores, self.row_dim,
+                BLOCK=self.EXPORT_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.row_dim)), FILTER=filt,
+            )
+        return keys, values, scores

@@ -1,0 +1,123 @@
+"""The Triton table against its oracle, the reference table: long random op sequences,
+compared state for state (keys, scores, rows: the layouts are the same, bit for bit).
+On CPU the kernels run under TRITON_INTERPRET=1 at small sizes; on a GPU at larger ones."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, ReferenceHashTable
+from kernels.dynamic_embedding.triton_table import TritonHashTable
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCALE = 64 if DEVICE == "cuda" else 1  # batch sizes on a GPU
+OPS = ["find", "find_or_insert", "insert_or_assign", "assign", "accumulate", "erase", "export", "find_values"]
+
+op_lists = st.lists(
+    st.tuples(
+        st.sampled_from(OPS),
+        st.integers(min_value=0, max_value=48),  # batch size
+        st.integers(min_value=0, max_value=2**31 - 1),  # seed of the batch's keys, rows, scores
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+def batch(n: int, seed: int, row_dim: int, key_range: int):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randint(-key_range, key_range, (n,), generator=g)
+    if seed % 3 == 0 and n:  # sometimes far-apart raw ids, int64 extremes included
+        keys[0], keys[-1] = 2**63 - 1, -(2**63) + 1
+    rows = torch.randn(n, row_dim, generator=g)
+    scores = torch.randint(0, 20, (n,), generator=g)
+    return keys.to(DEVICE), rows.to(DEVICE), scores.to(DEVICE)
+
+
+def assert_same_state(ref, tri):
+    assert ref.capacity == tri.capacity
+    assert torch.equal(ref.keys, tri.keys)
+    assert torch.equal(ref.scores, tri.scores)
+    assert torch.equal(ref.values, tri.values)
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, (tuple, list)):
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    elif hasattr(a, "keys") and hasattr(a, "rows"):  # Evicted
+        assert_same((a.keys, a.rows, a.scores), (b.keys, b.rows, b.scores))
+    else:
+        assert a == b
+
+
+def apply(table, op, keys, rows, scores):
+    if op == "find":
+        return table.find(keys)
+    if op == "find_or_insert":
+        out = table.find_or_insert(keys, scores)
+        slots, inserted, _ = out
+        # the caller initializes new rows; from the key, so that copies of a key write the
+        # same row (which copy's write lands is unspecified on CUDA)
+        init = (keys[:, None] % 997).float() + torch.arange(table.row_dim, device=keys.device)
+        table.values[slots[inserted]] = init[inserted]
+        return out
+    if op == "insert_or_assign":
+        return table.insert_or_assign(keys, rows, scores)
+    if op == "assign":
+        return table.assign(keys, rows, scores)
+    if op == "accumulate":
+        return table.accumulate(keys, rows, scores)
+    if op == "erase":
+        return table.erase(keys)
+    if op == "export":
+        return table.export(min_score=int(scores[0]) if len(scores) else None)
+    if op == "find_values":
+        slots = table.find(keys)
+        out = torch.zeros(len(keys), 2, device=keys.device)
+        found = slots != -1
+        out[found] = table.values[slots[found], :2]
+        return found, out
+
+
+@pytest.mark.parametrize("max_capacity", [32, 1 << 12], ids=["evicting", "growing"])
+@settings(max_examples=40, deadline=None)
+@given(sequence=op_lists)
+def test_triton_table_matches_reference(max_capacity, sequence):
+    kw = dict(row_dim=3, capacity=16 * SCALE, max_capacity=max_capacity * SCALE, bucket_size=8, device=DEVICE)
+    ref, tri = ReferenceHashTable(**kw), TritonHashTable(**kw)
+    for op, n, seed in sequence:
+        keys, rows, scores = batch(n * SCALE, seed, 3, key_range=40 * SCALE)
+        if op == "find_values":  # the fused kernel against the reference's find + gather
+            out = torch.zeros(len(keys), 2, device=keys.device)
+            assert_same(apply(ref, op, keys, rows, scores), (tri.find_values(keys, out), out))
+        else:
+            assert_same(apply(ref, op, keys, rows, scores), apply(tri, op, keys, rows, scores))
+        assert_same_state(ref, tri)
+        assert ref.size() == tri.size() and ref.load_factor() == tri.load_factor()
+
+
+def test_embedding_on_the_triton_backend_trains_like_the_reference():
+    results = []
+    for backend in ("reference", "triton"):
+        e = DynamicEmbedding(EmbeddingConfig(dim=4, capacity=16, max_capacity=64, bucket_size=8, backend=backend), DEVICE)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(5):
+            ids = torch.randint(-100, 100, (40,), generator=g).to(DEVICE)
+            rows = e.lookup(ids).requires_grad_(True)
+            rows.square().sum().backward()
+            e.apply_gradients(ids, rows.grad)
+        results.append((e.table.keys.clone(), e.table.values.clone(), e.stats()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[0][2] == results[1][2] and results[0][2].evictions > 0
+
+
+def test_triton_table_refuses_odd_bucket_sizes_and_handles_empty_calls():
+    with pytest.raises(ValueError, match="power-of-two"):
+        TritonHashTable(row_dim=2, bucket_size=6, device=DEVICE)
+    t = TritonHashTable(row_dim=2, capacity=16, bucket_size=8, device=DEVICE)
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    assert t.find(empty).numel() == 0 and t.export()[0].numel() == 0
+    assert t.find_values(empty, torch.empty(0, 2, device=DEVICE)).numel() == 0
+    assert t.accumulate(empty, torch.empty(0, 2, device=DEVICE), empty).keys.numel() == 0
