@@ -9,6 +9,8 @@ int64 keys, fp32 values, 1,048,576 keys per call, dim 8 / 64 / 128 with capacity
 - find_or_insert: half present, half new keys; new rows get initial values; returns values.
 - insert_or_assign: half present, half new keys, with their values.
 - export: every stored row (keys, values, scores); keys/s = rows exported per second.
+The table runs in its default fast mode; find_or_insert and insert_or_assign are also
+timed in deterministic mode (rows "..._deterministic").
 New keys are erased after each timed call (untimed) so the load factor holds. Baselines
 from the same run: index_select of random rows (a gather with no probe) and searchsorted
 over the sorted stored keys followed by that gather. Times are CUDA-event medians.
@@ -64,7 +66,9 @@ def fill(table: TritonHashTable, load_factor: float, gen: torch.Generator) -> to
 def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(dim)
     capacity = int(CAPACITY[dim] * scale)
-    table = TritonHashTable(dim, capacity=capacity, max_capacity=capacity, bucket_size=128, max_load_factor=1.0, device="cuda")
+    table = TritonHashTable(
+        dim, capacity=capacity, max_capacity=capacity, bucket_size=128, max_load_factor=1.0, device="cuda", deterministic=False
+    )
     stored = fill(table, load_factor, gen)
     actual_lf = table.load_factor()
     step = [1]
@@ -107,6 +111,14 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
         "find": timed(find, lambda: (present(),), reps=reps),
         "find_or_insert": timed(find_or_insert, mixed, forget, reps=reps),
         "insert_or_assign": timed(insert_or_assign, mixed, forget, reps=reps),
+    }
+    table.deterministic = True
+    results |= {
+        "find_or_insert_deterministic": timed(find_or_insert, mixed, forget, reps=reps),
+        "insert_or_assign_deterministic": timed(insert_or_assign, mixed, forget, reps=reps),
+    }
+    table.deterministic = False
+    results |= {
         "export": timed(table.export, reps=max(3, reps // 3)),
         "baseline_index_select": timed(lambda: torch.index_select(table.values, 0, slots, out=out), reps=reps),
         "baseline_searchsorted": timed(searchsorted, lambda: (present(),), reps=reps),

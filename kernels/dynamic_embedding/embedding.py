@@ -18,7 +18,8 @@ import torch.distributed as dist
 from . import optimizers
 from .hashing import shard_of, uniform_from_keys
 from .optimizers import OptimizerConfig
-from .table import MISSING, ReferenceHashTable
+from .table import MISSING, ReferenceHashTable, sum_by_key
+from .triton_optimizers import fused_update
 
 EVICTION_POLICIES = ("lru", "lfu")
 BACKENDS = ("auto", "reference", "triton")
@@ -37,6 +38,20 @@ def table_class(backend: str, device: torch.device):
     return ReferenceHashTable
 
 
+def make_table(config: "EmbeddingConfig", device: torch.device):
+    cls = table_class(config.backend, device)
+    kwargs = {"deterministic": config.deterministic} if cls is not ReferenceHashTable else {}
+    return cls(
+        config.row_dim,
+        capacity=config.capacity,
+        max_capacity=config.max_capacity,
+        bucket_size=config.bucket_size,
+        max_load_factor=config.max_load_factor,
+        device=device,
+        **kwargs,
+    )
+
+
 @dataclass(frozen=True)
 class EmbeddingConfig:
     dim: int
@@ -49,6 +64,7 @@ class EmbeddingConfig:
     max_load_factor: float = 0.75
     eviction: str = "lru"  # score = step of last use (lru) or use count (lfu)
     backend: str = "auto"  # table implementation, see table_class
+    deterministic: bool = False  # Triton table: the reference's layout bit for bit (slower inserts)
 
     def __post_init__(self):
         if self.eviction not in EVICTION_POLICIES:
@@ -97,16 +113,12 @@ class DynamicEmbedding:
     def __init__(self, config: EmbeddingConfig, device: torch.device | str = "cpu"):
         self.config = config
         self.device = torch.device(device)
-        self.table = table_class(config.backend, self.device)(
-            config.row_dim,
-            capacity=config.capacity,
-            max_capacity=config.max_capacity,
-            bucket_size=config.bucket_size,
-            max_load_factor=config.max_load_factor,
-            device=self.device,
-        )
+        self.table = make_table(config, self.device)
         self.step = 0  # number of updates applied; the LRU clock
         self._stats = TableStats()
+        # hits, inserts, rejections: counted on the device, so lookups never wait for it
+        self._counts = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self._fused = type(self.table) is not ReferenceHashTable  # Triton: fused update kernel
 
     @property
     def dim(self) -> int:
@@ -130,22 +142,23 @@ class DynamicEmbedding:
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         if train:
             slots, inserted, evicted = self.table.find_or_insert(uniq, self._scores(uniq, counts))
-            new = slots[inserted]
+            new = inserted.nonzero().squeeze(1)
             if new.numel():
-                self.table.values[new] = self.initial_rows(uniq[inserted])
-            self._stats.inserts += new.numel()
+                self.table.values[slots[new]] = self.initial_rows(uniq[new])
+            present = slots != MISSING
+            n_new = inserted.sum()
+            self._counts += torch.stack([present.sum() - n_new, n_new, (~present).sum()])
             self._stats.evictions += evicted.keys.numel()
-            self._stats.rejections += int((slots == MISSING).sum())
-            self._stats.hits += uniq.numel() - new.numel() - int((slots == MISSING).sum())
         else:
             slots = self.table.find(uniq)
-            self._stats.hits += int((slots != MISSING).sum())
+            present = slots != MISSING
+            self._counts[0] += present.sum()
         self._stats.lookups += uniq.numel()
-        present = slots != MISSING
-        emb = torch.empty(uniq.numel(), self.dim, device=self.device)
-        emb[present] = self.table.values[slots[present], : self.dim]
-        if not bool(present.all()):
-            emb[~present] = self.initial_rows(uniq[~present])[:, : self.dim]
+        # gather only the embedding columns; ids without a row get their initial embedding
+        emb = self.table.values[:, : self.dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
+        missing = (~present).nonzero().squeeze(1)
+        if missing.numel():
+            emb[missing] = self.initial_rows(uniq[missing])[:, : self.dim]
         return emb[inverse]
 
     def _scores(self, uniq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -161,11 +174,12 @@ class DynamicEmbedding:
         ids = ids.to(self.device)
         if ids.numel() == 0:
             return
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(uniq.numel(), self.dim, device=self.device)
-        summed.index_add_(0, inverse, grads.to(self.device, torch.float32))
-        slots = self.table.find(uniq)
-        present = slots != MISSING  # rejected ids have no row to update
+        uniq, summed, _ = sum_by_key(ids, grads.to(self.device, torch.float32))
+        slots = self.table.find(uniq)  # MISSING for rejected ids: they have no row
+        if self._fused:
+            fused_update(self.config.optimizer, self.table.values, slots, summed, self.dim)
+            return
+        present = slots != MISSING
         slots = slots[present]
         self.table.values[slots] = optimizers.update(
             self.config.optimizer, self.table.values[slots], summed[present], self.dim
@@ -173,6 +187,7 @@ class DynamicEmbedding:
 
     def stats(self) -> TableStats:
         s = TableStats(**asdict(self._stats))
+        s.hits, s.inserts, s.rejections = self._counts.tolist()
         s.size, s.capacity = self.table.size(), self.table.capacity
         return s
 
@@ -246,8 +261,7 @@ class ShardedDynamicEmbedding:
         if self.world_size == 1:
             return self.local.apply_gradients(ids, grads)
         recv_ids, order, inverse, send, recv = self._route(ids)
-        summed = torch.zeros(order.numel(), self.dim, device=self.local.device)
-        summed.index_add_(0, inverse, grads.to(self.local.device, torch.float32))
+        _, summed, _ = sum_by_key(ids.to(self.local.device), grads.to(self.local.device, torch.float32))
         recv_grads = self._exchange(summed[order] / self.world_size, send, recv)
         self.local.apply_gradients(recv_ids, recv_grads)
 

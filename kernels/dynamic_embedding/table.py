@@ -25,6 +25,16 @@ from .hashing import EMPTY_KEY, bucket_of
 MISSING = -1  # slot index returned for a key that is not stored
 
 
+def sum_by_key(keys: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unique keys ascending, sum of each key's rows, inverse index). The sums are added in
+    a fixed order on every device (index_add_ on CUDA adds in arbitrary order)."""
+    uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    if keys.numel() == 0:
+        return uniq, rows.new_zeros(0, *rows.shape[1:]), inverse
+    order = torch.argsort(inverse, stable=True)
+    return uniq, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0), inverse
+
+
 def _last_occurrence(keys: torch.Tensor) -> torch.Tensor:
     """(N,) bool: True at the last copy of each key."""
     uniq, inverse = torch.unique(keys, return_inverse=True)
@@ -187,9 +197,7 @@ class ReferenceHashTable:
         keys = self._check_keys(keys)
         if keys.numel() == 0:
             return Evicted.empty(self.row_dim, self.dtype, self.device)
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-        summed = torch.zeros(uniq.numel(), self.row_dim, dtype=self.dtype, device=self.device)
-        summed.index_add_(0, inverse, deltas.to(self.device, self.dtype))
+        uniq, summed, inverse = sum_by_key(keys, deltas.to(self.device, self.dtype))
         uscores = torch.full_like(uniq, torch.iinfo(torch.int64).min)
         uscores.scatter_reduce_(0, inverse, scores.to(self.device, torch.int64), "amax")
         slots, inserted, evicted = self.find_or_insert(uniq, uscores)
@@ -203,9 +211,12 @@ class ReferenceHashTable:
         """Removes keys; returns how many were present."""
         slots = self.find(keys)
         slots = torch.unique(slots[slots != MISSING])
+        self._clear(slots)
+        return slots.numel()
+
+    def _clear(self, slots: torch.Tensor) -> None:
         self.keys[slots] = EMPTY_KEY
         self.scores[slots] = 0
-        return slots.numel()
 
     def export(self, min_score: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys, rows, scores) of every stored row, or of rows whose score >= min_score,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hashing import EMPTY_KEY, bucket_of
+from .hashing import bucket_of
 from .table import MISSING, Evicted, ReferenceHashTable
 
 @triton.jit
@@ -28,6 +28,13 @@ def _hash(k):
 
 
 @triton.jit
+def _digest(h):
+    """One byte of the hash for the probe; 0 is kept for empty slots."""
+    d = (h >> 56).to(tl.uint8)
+    return tl.where(d == 0, 1, d).to(tl.uint8)
+
+
+@triton.jit
 def _find_kernel(
     query_ptr, n, table_keys_ptr, digests_ptr, slot_ptr, bucket_mask,
     values_ptr, out_ptr, row_dim, out_dim,
@@ -40,10 +47,9 @@ def _find_kernel(
     key = tl.load(query_ptr + offs, mask=live, other=0)
     h = _hash(key)
     bucket = (h & bucket_mask.to(tl.uint64)).to(tl.int64)
-    digest = (h >> 56).to(tl.uint8)
     slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
     digests = tl.load(digests_ptr + slots, mask=live[:, None], other=0)
-    maybe = (digests == digest[:, None]) & live[:, None]
+    maybe = (digests == _digest(h)[:, None]) & live[:, None]
     keys = tl.load(table_keys_ptr + slots, mask=maybe, other=0)
     hit = maybe & (keys == key[:, None])
     found = tl.max(hit.to(tl.int32), axis=1) > 0
@@ -59,7 +65,7 @@ def _find_kernel(
 
 @triton.jit
 def _choose_slots_kernel(
-    bucket_ptr, rank_ptr, new_score_ptr, n, table_keys_ptr, scores_ptr, protected_ptr,
+    bucket_ptr, rank_ptr, new_score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, protected_ptr,
     slot_ptr, victim_key_ptr, victim_score_ptr, victim_flag_ptr,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr,
 ):
@@ -71,8 +77,7 @@ def _choose_slots_kernel(
     bucket = tl.load(bucket_ptr + offs, mask=live, other=0)
     rank = tl.load(rank_ptr + offs, mask=live, other=0)
     slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
-    keys = tl.load(table_keys_ptr + slots, mask=live[:, None], other=0)
-    free = (keys == -9223372036854775807 - 1) & live[:, None]
+    free = (tl.load(digests_ptr + slots, mask=live[:, None], other=1) == 0) & live[:, None]
     n_free = tl.sum(free.to(tl.int64), axis=1)
     nth_free = free & (tl.cumsum(free.to(tl.int64), axis=1) == (rank + 1)[:, None])
     slot = tl.where(rank < n_free, tl.sum(tl.where(nth_free, slots, 0), axis=1), -1)
@@ -116,7 +121,7 @@ def _write_slots_kernel(slot_ptr, key_ptr, score_ptr, n, table_keys_ptr, scores_
     key = tl.load(key_ptr + offs, mask=ok, other=0)
     tl.store(table_keys_ptr + slot, key, mask=ok)
     tl.store(scores_ptr + slot, tl.load(score_ptr + offs, mask=ok, other=0), mask=ok)
-    tl.store(digests_ptr + slot, (_hash(key) >> 56).to(tl.uint8), mask=ok)
+    tl.store(digests_ptr + slot, _digest(_hash(key)), mask=ok)
 
 
 @triton.jit
@@ -154,22 +159,203 @@ def _export_kernel(
         tl.store(out_values_ptr + dest[:, None] * row_dim + cols[None, :], row, mask=m)
 
 
+@triton.jit
+def _touch_kernel(
+    query_ptr, score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, slot_ptr, bucket_mask,
+    BUCKET: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Fast mode, pass 1: probe every key; a found row's score becomes the highest score
+    any copy of its key brings. slot = -1 for keys not found."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    key = tl.load(query_ptr + offs, mask=live, other=0)
+    h = _hash(key)
+    bucket = (h & bucket_mask.to(tl.uint64)).to(tl.int64)
+    slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    digests = tl.load(digests_ptr + slots, mask=live[:, None], other=0)
+    maybe = (digests == _digest(h)[:, None]) & live[:, None]
+    keys = tl.load(table_keys_ptr + slots, mask=maybe, other=0)
+    hit = maybe & (keys == key[:, None])
+    found = tl.max(hit.to(tl.int32), axis=1) > 0
+    slot = tl.where(found, tl.sum(tl.where(hit, slots, 0), axis=1), -1)
+    tl.atomic_max(scores_ptr + slot, tl.load(score_ptr + offs, mask=live, other=0), mask=found)
+    tl.store(slot_ptr + offs, slot, mask=live)
+
+
+@triton.jit
+def _claim_kernel(
+    query_ptr, score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, slot_ptr, inserted_ptr,
+    victim_key_ptr, victim_score_ptr, victim_flag_ptr, dummy_ptr, bucket_mask,
+    BUCKET: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr,
+):
+    """Fast mode, pass 2, for keys pass 1 did not find: claim the bucket's first empty
+    slot with a compare-and-swap of the key; with EVICT, in a full bucket, swap out the
+    lowest-score row whose score is below the key's own (rows this call found or inserted
+    carry the call's score, so they are not taken). A lost swap re-reads the bucket:
+    copies of one key meet in one slot. Lanes that find no room keep slot -1 and
+    inserted 0; lanes with no room but a growable table set slot -2."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    slot = tl.load(slot_ptr + offs, mask=live, other=0)
+    active = live & (slot < 0)
+    key = tl.load(query_ptr + offs, mask=active, other=0)
+    score = tl.load(score_ptr + offs, mask=active, other=0)
+    h = _hash(key)
+    bucket = (h & bucket_mask.to(tl.uint64)).to(tl.int64)
+    slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    cols = tl.arange(0, BUCKET)[None, :]
+    inserted = tl.zeros([BLOCK], dtype=tl.int8)
+    victim_key = tl.zeros([BLOCK], dtype=tl.int64)
+    victim_score = tl.zeros([BLOCK], dtype=tl.int64)
+    evicted = tl.zeros([BLOCK], dtype=tl.int8)
+    digest = _digest(h)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        # .cg: read through L2, where other programs' writes of this launch are visible
+        digests = tl.load(digests_ptr + slots, mask=active[:, None], other=0, cache_modifier=".cg")
+        maybe = active[:, None] & (digests == digest[:, None])
+        keys = tl.load(table_keys_ptr + slots, mask=maybe, other=0, cache_modifier=".cg")
+        hit = maybe & (keys == key[:, None])
+        found = tl.max(hit.to(tl.int32), axis=1) > 0
+        slot = tl.where(found, tl.sum(tl.where(hit, slots, 0), axis=1), slot)
+        tl.atomic_max(scores_ptr + slot, score, mask=found)  # another copy inserted it
+        active = active & ~found
+        # a zero digest may trail its key by a moment: the swap below tells the truth
+        empty = active[:, None] & (digests == 0)
+        has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
+        col = tl.min(tl.where(empty, cols, BUCKET), axis=1)
+        expected = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
+        can = has_empty
+        old_score = tl.zeros([BLOCK], dtype=tl.int64)
+        if EVICT:
+            full = active & ~has_empty
+            keys = tl.load(table_keys_ptr + slots, mask=full[:, None], other=0, cache_modifier=".cg")
+            scores = tl.load(scores_ptr + slots, mask=full[:, None], other=0, cache_modifier=".cg")
+            cand = full[:, None] & (scores < score[:, None])
+            lowest = tl.min(tl.where(cand, scores, 9223372036854775807), axis=1)
+            vcol = tl.min(tl.where(cand & (scores == lowest[:, None]), cols, BUCKET), axis=1)
+            use_victim = ~has_empty & (vcol < BUCKET)
+            col = tl.where(use_victim, vcol, col)
+            expected = tl.where(use_victim, tl.sum(tl.where(cols == vcol[:, None], keys, 0), axis=1), expected)
+            old_score = lowest
+            can = has_empty | use_victim
+        else:
+            use_victim = has_empty & False
+        # no room: -1 (rejected) at maximum capacity, -2 (grow and retry) otherwise
+        slot = tl.where(active & ~can, -2 + EVICT, slot)
+        active = active & can
+        target = bucket * BUCKET + col
+        old = tl.atomic_cas(tl.where(active, table_keys_ptr + target, dummy_ptr), tl.where(active, expected, 1), tl.where(active, key, 1))
+        won = active & (old == expected)
+        slot = tl.where(won, target, slot)
+        inserted = tl.where(won, 1, inserted).to(tl.int8)
+        took = won & use_victim
+        victim_key = tl.where(took, expected, victim_key)
+        victim_score = tl.where(took, old_score, victim_score)
+        evicted = tl.where(took, 1, evicted).to(tl.int8)
+        tl.store(scores_ptr + target, score, mask=won)
+        tl.store(digests_ptr + target, digest, mask=won)
+        active = active & ~won  # a lost swap: read the bucket again
+    tl.store(slot_ptr + offs, slot, mask=live)
+    tl.store(inserted_ptr + offs, inserted, mask=live)
+    if EVICT:
+        tl.store(victim_key_ptr + offs, victim_key, mask=live)
+        tl.store(victim_score_ptr + offs, victim_score, mask=live)
+        tl.store(victim_flag_ptr + offs, evicted, mask=live)
+
+
+@triton.jit
+def _confirm_kernel(query_ptr, n, table_keys_ptr, slot_ptr, inserted_ptr, BLOCK: tl.constexpr):
+    """Fast mode, pass 3: a slot whose key was swapped out later in the same call is no
+    longer the key's: report it as not stored."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    slot = tl.load(slot_ptr + offs, mask=live, other=-1)
+    has = live & (slot >= 0)
+    key = tl.load(query_ptr + offs, mask=has, other=0)
+    lost = has & (tl.load(table_keys_ptr + slot, mask=has, other=0) != key)
+    tl.store(slot_ptr + offs, -1, mask=lost)
+    tl.store(inserted_ptr + offs, 0, mask=lost)
+
+
 def _grid(n: int, block: int) -> tuple[int]:
     return (max(1, triton.cdiv(n, block)),)
 
 
 class TritonHashTable(ReferenceHashTable):
-    """Same calls and results as ReferenceHashTable (it is the oracle), on Triton kernels.
-    Bucket sizes must be powers of two."""
+    """The reference table's calls on Triton kernels. Bucket sizes must be powers of two.
+
+    deterministic=True: results and layout equal the reference's, bit for bit.
+    deterministic=False (fast): find_or_insert and insert_or_assign insert with atomic
+    compare-and-swap, without sorting the batch. What differs from the reference:
+    - the slot a new key lands in depends on thread timing (the set of keys does not,
+      below max capacity);
+    - of several copies of a new key in one call, one is reported inserted;
+    - a full bucket gives up its lowest-score row only if that score is strictly below
+      the new key's (rows this call found or inserted share the call's score under LRU,
+      so they stay); with other score schemes a row used earlier in the call can be
+      taken, and that copy is then reported not stored;
+    - insert_or_assign stores one of the copies of a duplicated key (not the last).
+    """
 
     FIND_BLOCK = 32
     PLACE_BLOCK = 16
     EXPORT_BLOCK = 256
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, deterministic: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if self.bucket_size & (self.bucket_size - 1):
             raise ValueError("the Triton table needs a power-of-two bucket_size")
+        self.deterministic = deterministic
+        self._dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def _clear(self, slots: torch.Tensor) -> None:
+        super()._clear(slots)
+        self.digests[slots] = 0  # digest 0: empty
+
+    def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor):
+        if self.deterministic:
+            return super().find_or_insert(keys, scores)
+        keys = self._check_keys(keys).contiguous()
+        scores = scores.to(self.device, torch.int64).contiguous()
+        n = keys.numel()
+        slots = torch.empty(n, dtype=torch.int64, device=self.device)
+        inserted = torch.zeros(n, dtype=torch.int8, device=self.device)
+        evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
+        if n == 0:
+            return slots, inserted.bool(), evicted
+        grid = _grid(n, self.FIND_BLOCK)
+        _touch_kernel[grid](
+            keys, scores, n, self.keys, self.digests, self.scores, slots, self.num_buckets - 1,
+            BUCKET=self.bucket_size, BLOCK=self.FIND_BLOCK,
+        )
+        at_max = self.num_buckets >= self.max_num_buckets
+        victim_keys = torch.empty(n if at_max else 0, dtype=torch.int64, device=self.device)
+        victim_scores = torch.empty_like(victim_keys)
+        victim = torch.empty(n if at_max else 0, dtype=torch.int8, device=self.device)
+        _claim_kernel[_grid(n, self.PLACE_BLOCK)](
+            keys, scores, n, self.keys, self.digests, self.scores, slots, inserted,
+            victim_keys if at_max else slots, victim_scores if at_max else slots, victim if at_max else inserted,
+            self._dummy, self.num_buckets - 1, BUCKET=self.bucket_size, BLOCK=self.PLACE_BLOCK, EVICT=at_max,
+        )
+        if at_max:
+            _confirm_kernel[grid](keys, n, self.keys, slots, inserted, BLOCK=self.FIND_BLOCK)
+            took = victim.bool()
+            # the victims' rows are still in their old slots: no one has written them yet
+            evicted = Evicted(victim_keys[took], self.values[slots[took].clamp(min=0)].clone(), victim_scores[took])
+            return slots, inserted.bool(), evicted
+        if bool((slots == -2).any()) or self.size() > self.max_load_factor * self.capacity:
+            self._grow()  # moves every row: look the whole batch up again
+            again, inserted_again, evicted = self.find_or_insert(keys, scores)
+            return again, inserted.bool() | inserted_again, evicted
+        return slots, inserted.bool(), evicted
+
+    def insert_or_assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> Evicted:
+        if self.deterministic:
+            return super().insert_or_assign(keys, rows, scores)
+        slots, _, evicted = self.find_or_insert(keys, scores)
+        ok = slots >= 0
+        self.values[slots[ok]] = rows.to(self.device, self.dtype)[ok]
+        return evicted
 
     def _allocate(self, num_buckets: int) -> None:
         super()._allocate(num_buckets)
@@ -213,7 +399,7 @@ class TritonHashTable(ReferenceHashTable):
         rank = torch.arange(buckets.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
         at_max = self.num_buckets >= self.max_num_buckets
         if not at_max:  # grow instead of evicting when any bucket lacks room
-            free = (self.keys.view(self.num_buckets, S)[buckets] == EMPTY_KEY).sum(1)
+            free = (self.digests.view(self.num_buckets, S)[buckets] == 0).sum(1)
             if bool((rank >= free).any()):
                 self._grow()
                 return self._place(new_keys, new_scores, used_keys)
@@ -229,7 +415,7 @@ class TritonHashTable(ReferenceHashTable):
         else:
             victim_keys = victim_scores = victim = slots  # not touched without EVICT
         _choose_slots_kernel[_grid(M, self.PLACE_BLOCK)](
-            buckets.contiguous(), rank.contiguous(), scores_sorted, M, self.keys, self.scores, self._protected,
+            buckets.contiguous(), rank.contiguous(), scores_sorted, M, self.keys, self.digests, self.scores, self._protected,
             slots, victim_keys, victim_scores, victim,
             BUCKET=S, BLOCK=self.PLACE_BLOCK, EVICT=at_max,
         )
