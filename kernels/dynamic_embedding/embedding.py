@@ -174,7 +174,7 @@ class DynamicEmbedding:
         ids = ids.to(self.device)
         if ids.numel() == 0:
             return
-        uniq, summed, _ = sum_by_key(ids, grads.to(self.device, torch.float32))
+        uniq, summed, _ = sum_by_key(ids, grads.to(self.device, torch.float32), self.table.deterministic)
         slots = self.table.find(uniq)  # MISSING for rejected ids: they have no row
         if self._fused:
             fused_update(self.config.optimizer, self.table.values, slots, summed, self.dim)
@@ -261,7 +261,9 @@ class ShardedDynamicEmbedding:
         if self.world_size == 1:
             return self.local.apply_gradients(ids, grads)
         recv_ids, order, inverse, send, recv = self._route(ids)
-        _, summed, _ = sum_by_key(ids.to(self.local.device), grads.to(self.local.device, torch.float32))
+        _, summed, _ = sum_by_key(
+            ids.to(self.local.device), grads.to(self.local.device, torch.float32), self.local.table.deterministic
+        )
         recv_grads = self._exchange(summed[order] / self.world_size, send, recv)
         self.local.apply_gradients(recv_ids, recv_grads)
 

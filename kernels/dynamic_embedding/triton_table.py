@@ -34,7 +34,7 @@ def _digest(h):
     return tl.where(d == 0, 1, d).to(tl.uint8)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bucket_mask"])
 def _find_kernel(
     query_ptr, n, table_keys_ptr, digests_ptr, slot_ptr, bucket_mask,
     values_ptr, out_ptr, row_dim, out_dim,
@@ -159,7 +159,7 @@ def _export_kernel(
         tl.store(out_values_ptr + dest[:, None] * row_dim + cols[None, :], row, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bucket_mask"])
 def _touch_kernel(
     query_ptr, score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, slot_ptr, bucket_mask,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr,
@@ -182,18 +182,15 @@ def _touch_kernel(
     tl.store(slot_ptr + offs, slot, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bucket_mask"])
 def _claim_kernel(
-    query_ptr, score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, slot_ptr, inserted_ptr,
-    victim_key_ptr, victim_score_ptr, victim_flag_ptr, dummy_ptr, bucket_mask,
-    BUCKET: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr,
+    query_ptr, score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, slot_ptr, inserted_ptr, dummy_ptr, bucket_mask,
+    BUCKET: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Fast mode, pass 2, for keys pass 1 did not find: claim the bucket's first empty
-    slot with a compare-and-swap of the key; with EVICT, in a full bucket, swap out the
-    lowest-score row whose score is below the key's own (rows this call found or inserted
-    carry the call's score, so they are not taken). A lost swap re-reads the bucket:
-    copies of one key meet in one slot. Lanes that find no room keep slot -1 and
-    inserted 0; lanes with no room but a growable table set slot -2."""
+    """Fast mode, pass 2, for keys pass 1 did not find: claim the bucket's first empty slot
+    with a compare-and-swap of the key. Slots only fill during this launch, so a lost swap
+    re-reads the bucket and copies of one key meet in one slot. A key whose bucket is full
+    gets slot -2 (placed afterwards, with eviction or growth)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     slot = tl.load(slot_ptr + offs, mask=live, other=0)
@@ -201,14 +198,11 @@ def _claim_kernel(
     key = tl.load(query_ptr + offs, mask=active, other=0)
     score = tl.load(score_ptr + offs, mask=active, other=0)
     h = _hash(key)
+    digest = _digest(h)
     bucket = (h & bucket_mask.to(tl.uint64)).to(tl.int64)
     slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
     cols = tl.arange(0, BUCKET)[None, :]
     inserted = tl.zeros([BLOCK], dtype=tl.int8)
-    victim_key = tl.zeros([BLOCK], dtype=tl.int64)
-    victim_score = tl.zeros([BLOCK], dtype=tl.int64)
-    evicted = tl.zeros([BLOCK], dtype=tl.int8)
-    digest = _digest(h)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         # .cg: read through L2, where other programs' writes of this launch are visible
         digests = tl.load(digests_ptr + slots, mask=active[:, None], other=0, cache_modifier=".cg")
@@ -222,59 +216,19 @@ def _claim_kernel(
         # a zero digest may trail its key by a moment: the swap below tells the truth
         empty = active[:, None] & (digests == 0)
         has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
-        col = tl.min(tl.where(empty, cols, BUCKET), axis=1)
-        expected = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
-        can = has_empty
-        old_score = tl.zeros([BLOCK], dtype=tl.int64)
-        if EVICT:
-            full = active & ~has_empty
-            keys = tl.load(table_keys_ptr + slots, mask=full[:, None], other=0, cache_modifier=".cg")
-            scores = tl.load(scores_ptr + slots, mask=full[:, None], other=0, cache_modifier=".cg")
-            cand = full[:, None] & (scores < score[:, None])
-            lowest = tl.min(tl.where(cand, scores, 9223372036854775807), axis=1)
-            vcol = tl.min(tl.where(cand & (scores == lowest[:, None]), cols, BUCKET), axis=1)
-            use_victim = ~has_empty & (vcol < BUCKET)
-            col = tl.where(use_victim, vcol, col)
-            expected = tl.where(use_victim, tl.sum(tl.where(cols == vcol[:, None], keys, 0), axis=1), expected)
-            old_score = lowest
-            can = has_empty | use_victim
-        else:
-            use_victim = has_empty & False
-        # no room: -1 (rejected) at maximum capacity, -2 (grow and retry) otherwise
-        slot = tl.where(active & ~can, -2 + EVICT, slot)
-        active = active & can
-        target = bucket * BUCKET + col
-        old = tl.atomic_cas(tl.where(active, table_keys_ptr + target, dummy_ptr), tl.where(active, expected, 1), tl.where(active, key, 1))
-        won = active & (old == expected)
+        slot = tl.where(active & ~has_empty, -2, slot)
+        active = active & has_empty
+        target = bucket * BUCKET + tl.min(tl.where(empty, cols, BUCKET), axis=1)
+        empty_key = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
+        old = tl.atomic_cas(tl.where(active, table_keys_ptr + target, dummy_ptr), tl.where(active, empty_key, 1), tl.where(active, key, 1))
+        won = active & (old == empty_key)
         slot = tl.where(won, target, slot)
         inserted = tl.where(won, 1, inserted).to(tl.int8)
-        took = won & use_victim
-        victim_key = tl.where(took, expected, victim_key)
-        victim_score = tl.where(took, old_score, victim_score)
-        evicted = tl.where(took, 1, evicted).to(tl.int8)
         tl.store(scores_ptr + target, score, mask=won)
         tl.store(digests_ptr + target, digest, mask=won)
         active = active & ~won  # a lost swap: read the bucket again
     tl.store(slot_ptr + offs, slot, mask=live)
     tl.store(inserted_ptr + offs, inserted, mask=live)
-    if EVICT:
-        tl.store(victim_key_ptr + offs, victim_key, mask=live)
-        tl.store(victim_score_ptr + offs, victim_score, mask=live)
-        tl.store(victim_flag_ptr + offs, evicted, mask=live)
-
-
-@triton.jit
-def _confirm_kernel(query_ptr, n, table_keys_ptr, slot_ptr, inserted_ptr, BLOCK: tl.constexpr):
-    """Fast mode, pass 3: a slot whose key was swapped out later in the same call is no
-    longer the key's: report it as not stored."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    slot = tl.load(slot_ptr + offs, mask=live, other=-1)
-    has = live & (slot >= 0)
-    key = tl.load(query_ptr + offs, mask=has, other=0)
-    lost = has & (tl.load(table_keys_ptr + slot, mask=has, other=0) != key)
-    tl.store(slot_ptr + offs, -1, mask=lost)
-    tl.store(inserted_ptr + offs, 0, mask=lost)
 
 
 def _grid(n: int, block: int) -> tuple[int]:
@@ -290,10 +244,8 @@ class TritonHashTable(ReferenceHashTable):
     - the slot a new key lands in depends on thread timing (the set of keys does not,
       below max capacity);
     - of several copies of a new key in one call, one is reported inserted;
-    - a full bucket gives up its lowest-score row only if that score is strictly below
-      the new key's (rows this call found or inserted share the call's score under LRU,
-      so they stay); with other score schemes a row used earlier in the call can be
-      taken, and that copy is then reported not stored;
+    - keys that find their bucket full are placed afterwards by the deterministic
+      placement (eviction as in the reference, protecting every row this call uses);
     - insert_or_assign stores one of the copies of a duplicated key (not the last).
     """
 
@@ -323,30 +275,31 @@ class TritonHashTable(ReferenceHashTable):
         evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
         if n == 0:
             return slots, inserted.bool(), evicted
-        grid = _grid(n, self.FIND_BLOCK)
-        _touch_kernel[grid](
+        _touch_kernel[_grid(n, self.FIND_BLOCK)](
             keys, scores, n, self.keys, self.digests, self.scores, slots, self.num_buckets - 1,
             BUCKET=self.bucket_size, BLOCK=self.FIND_BLOCK,
         )
-        at_max = self.num_buckets >= self.max_num_buckets
-        victim_keys = torch.empty(n if at_max else 0, dtype=torch.int64, device=self.device)
-        victim_scores = torch.empty_like(victim_keys)
-        victim = torch.empty(n if at_max else 0, dtype=torch.int8, device=self.device)
         _claim_kernel[_grid(n, self.PLACE_BLOCK)](
-            keys, scores, n, self.keys, self.digests, self.scores, slots, inserted,
-            victim_keys if at_max else slots, victim_scores if at_max else slots, victim if at_max else inserted,
-            self._dummy, self.num_buckets - 1, BUCKET=self.bucket_size, BLOCK=self.PLACE_BLOCK, EVICT=at_max,
+            keys, scores, n, self.keys, self.digests, self.scores, slots, inserted, self._dummy,
+            self.num_buckets - 1, BUCKET=self.bucket_size, BLOCK=self.PLACE_BLOCK,
         )
-        if at_max:
-            _confirm_kernel[grid](keys, n, self.keys, slots, inserted, BLOCK=self.FIND_BLOCK)
-            took = victim.bool()
-            # the victims' rows are still in their old slots: no one has written them yet
-            evicted = Evicted(victim_keys[took], self.values[slots[took].clamp(min=0)].clone(), victim_scores[took])
-            return slots, inserted.bool(), evicted
-        if bool((slots == -2).any()) or self.size() > self.max_load_factor * self.capacity:
+        full = slots == -2
+        at_max = self.num_buckets >= self.max_num_buckets
+        if not at_max and (bool(full.any()) or self.size() > self.max_load_factor * self.capacity):
             self._grow()  # moves every row: look the whole batch up again
             again, inserted_again, evicted = self.find_or_insert(keys, scores)
             return again, inserted.bool() | inserted_again, evicted
+        if at_max and bool(full.any()):
+            # full buckets: the deterministic placement, which evicts only rows this call
+            # does not use, for the distinct keys that found no room
+            lanes = full.nonzero().squeeze(1)
+            uniq, inverse = torch.unique(keys[lanes], return_inverse=True)
+            uscores = torch.full_like(uniq, torch.iinfo(torch.int64).min).scatter_reduce_(0, inverse, scores[lanes], "amax")
+            evicted = self._place(uniq, uscores, used_keys=keys[~full])
+            placed = self._probe(uniq)
+            slots[lanes] = placed[inverse]
+            first = torch.full_like(uniq, n).scatter_reduce_(0, inverse, lanes, "amin")  # one copy reports the insert
+            inserted[first] = (placed != MISSING).to(torch.int8)
         return slots, inserted.bool(), evicted
 
     def insert_or_assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> Evicted:
