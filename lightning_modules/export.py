@@ -6,7 +6,6 @@
 
 `Recommender.load(path)` verifies it and answers `recommend(history, k)`.
 """
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kernels.dynamic_embedding import DumpError
-from kernels.dynamic_embedding.dump import sha256_of, write_json_atomic
+from kernels.dynamic_embedding.dump import read_format_json, sha256_of, write_json_atomic
 
 from . import model_files
 from .data import Sequences
@@ -64,12 +63,7 @@ class Recommender:
     @staticmethod
     def load(path: str | Path, device: str = "cpu") -> "Recommender":
         path = Path(path)
-        info_path = path / "export.json"
-        if not info_path.is_file():
-            raise DumpError(f"{path}: not an exported model (no export.json)")
-        info = json.loads(info_path.read_text())
-        if info.get("format") != FORMAT or info.get("version") != VERSION:
-            raise DumpError(f"{info_path}: not a {FORMAT} v{VERSION} file")
+        info = read_format_json(path / "export.json", FORMAT, VERSION, f"{path}: not an exported model (no export.json)")
         if sha256_of(path / "items.safetensors") != info["items_sha256"]:
             raise DumpError(f"{path / 'items.safetensors'}: checksum mismatch (corrupted)")
         model, table, _ = model_files.load_model(path / "model", device)

@@ -7,7 +7,6 @@
 The directory is built under a hidden temporary name and renamed into place, so it exists
 complete or not at all; loading checks every checksum. No pickle.
 """
-import json
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from kernels.dynamic_embedding import DumpError, ShardedDynamicEmbedding, dump, load, read_manifest
-from kernels.dynamic_embedding.dump import sha256_of, write_json_atomic
+from kernels.dynamic_embedding.dump import read_format_json, sha256_of, write_json_atomic
 
 from .config import HSTUConfig
 from .hstu import HSTU
@@ -64,12 +63,7 @@ def save(path: str | Path, model: HSTU, table: ShardedDynamicEmbedding, metadata
 def read_info(path: str | Path) -> dict:
     """model.json of a complete model directory, after verifying every file."""
     path = Path(path)
-    info_path = path / "model.json"
-    if not info_path.is_file():
-        raise DumpError(f"{path}: not a complete model directory (no model.json)")
-    info = json.loads(info_path.read_text())
-    if info.get("format") != FORMAT or info.get("version") != VERSION:
-        raise DumpError(f"{info_path}: not a {FORMAT} v{VERSION} file")
+    info = read_format_json(path / "model.json", FORMAT, VERSION, f"{path}: not a complete model directory (no model.json)")
     dense = path / "dense.safetensors"
     if not dense.is_file() or sha256_of(dense) != info["dense_sha256"]:
         raise DumpError(f"{dense}: missing or checksum mismatch (corrupted)")

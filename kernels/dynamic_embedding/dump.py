@@ -146,18 +146,25 @@ def _gather_counts(n: int, world: int, group, device) -> list[int]:
     return [int(x) for x in out]
 
 
+def read_format_json(path: Path, fmt: str, version: int, missing: str) -> dict:
+    """A JSON file that names its format and version; DumpError(missing) if absent."""
+    if not path.is_file():
+        raise DumpError(missing)
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{path}: unreadable: {e}") from None
+    if not isinstance(obj, dict) or obj.get("format") != fmt or obj.get("version") != version:
+        raise DumpError(f"{path}: not a {fmt} v{version} file")
+    return obj
+
+
 def read_manifest(path: str | Path) -> dict:
     """The manifest of a complete dump, after checking every shard against it."""
     path = Path(path)
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise DumpError(f"{path}: not a complete dump (no {MANIFEST}); it may be partial")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise DumpError(f"{mpath}: unreadable manifest: {e}") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise DumpError(f"{mpath}: not a {FORMAT} v{VERSION} manifest")
+    manifest = read_format_json(
+        path / MANIFEST, FORMAT, VERSION, f"{path}: not a complete dump (no {MANIFEST}); it may be partial"
+    )
     for s in manifest["shards"]:
         f = path / s["file"]
         if not f.is_file():
