@@ -97,6 +97,7 @@ class HSTULightningModule(L.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         self._last_step_end = None  # the first step's time includes data start-up
+        self.item_table.local.epoch = self.current_epoch  # the epoch_* eviction policies
 
     # ---- checkpoints: Lightning saves dense state; the table is dumped beside it ----------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -83,3 +83,77 @@ def test_unknown_settings_are_refused():
         OptimizerConfig(name="lamb")
     with pytest.raises(ValueError, match="eviction"):
         EmbeddingConfig(dim=2, eviction="fifo")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_admission_stores_an_id_once_its_count_reaches_the_threshold(backend):
+    e = DynamicEmbedding(EmbeddingConfig(dim=4, admission_threshold=3, backend=backend))
+    initial = e.initial_rows(torch.tensor([7]))[0, :4]
+    first = e.lookup(torch.tensor([7, 8]))  # count 1 each
+    assert e.stats().size == 0 and torch.equal(first[0], initial)  # served its initial row, not stored
+    e.lookup(torch.tensor([7, 7]))  # count 3: admitted
+    assert e.table.find(torch.tensor([7])).item() != -1 and e.table.find(torch.tensor([8])).item() == -1
+    s = e.stats()
+    assert (s.admissions, s.admission_rejections, s.size) == (1, 2, 1)
+    assert e.counters.find(torch.tensor([7])).item() == -1  # its counter is gone
+    rows = e.lookup(torch.tensor([8, 9])).requires_grad_(True)
+    rows.sum().backward()
+    e.apply_gradients(torch.tensor([8, 9]), rows.grad)  # ids without rows: nothing to update
+    assert e.stats().size == 1
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_read_only_feature_never_writes(backend):
+    e = DynamicEmbedding(EmbeddingConfig(dim=4, read_only=True, backend=backend))
+    out = e.lookup(torch.tensor([1, 2, 1]))
+    assert e.stats().size == 0 and torch.equal(out[0], out[2])
+
+
+def test_eviction_policies_score_rows_as_documented():
+    ids = torch.tensor([5, 5, 6])
+    scores = {}
+    for policy in ("lru", "lfu", "epoch_lru", "epoch_lfu"):
+        e = DynamicEmbedding(EmbeddingConfig(dim=2, eviction=policy, backend="reference"))
+        e.step, e.epoch = 7, 2
+        e.lookup(ids)
+        e.lookup(torch.tensor([5]))
+        keys, _, _, s = e.export_rows()
+        scores[policy] = dict(zip(keys.tolist(), s.tolist()))
+    assert scores["lru"] == {5: 7, 6: 7}
+    assert scores["lfu"] == {5: 3, 6: 1}
+    assert scores["epoch_lru"] == {5: (2 << 32) | 7, 6: (2 << 32) | 7}
+    assert scores["epoch_lfu"] == {5: (2 << 32) | 3, 6: (2 << 32) | 1}
+    e = DynamicEmbedding(EmbeddingConfig(dim=2, eviction="epoch_lfu", backend="reference"))
+    e.lookup(torch.tensor([5, 5]))
+    e.epoch = 1  # a new epoch restarts the count
+    e.lookup(torch.tensor([5]))
+    assert e.export_rows()[3].tolist() == [(1 << 32) | 1]
+    custom = DynamicEmbedding(EmbeddingConfig(dim=2, eviction="custom", backend="reference"))
+    custom.lookup(ids, scores=torch.tensor([4, 9, 1]))
+    assert dict(zip(custom.export_rows()[0].tolist(), custom.export_rows()[3].tolist())) == {5: 9, 6: 1}
+    with pytest.raises(ValueError, match="needs scores"):
+        custom.lookup(ids)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_no_eviction_policy_grows_then_rejects(backend):
+    config = EmbeddingConfig(dim=2, eviction="none", capacity=8, max_capacity=16, bucket_size=8, backend=backend)
+    e = DynamicEmbedding(config)
+    e.lookup(torch.arange(40))
+    s = e.stats()
+    assert s.evictions == 0 and s.size <= 16 and s.rejections == 40 - s.size > 0
+    kept = set(e.export_rows()[0].tolist())
+    e.lookup(torch.arange(100, 140))
+    assert set(e.export_rows()[0].tolist()) == kept  # nothing stored is ever pushed out
+
+
+def test_memory_budget():
+    c = EmbeddingConfig(dim=128, optimizer=OptimizerConfig(name="adam"), bucket_size=128, max_capacity=1 << 20)
+    assert c.bytes_per_row() == (128 + 257) * 4 + 17
+    assert c.table_bytes() == (1 << 20) * c.bytes_per_row()
+    budget = 10 * 2**30
+    cap = c.capacity_for_budget(budget)
+    assert cap * c.bytes_per_row() <= budget < 2 * cap * c.bytes_per_row()
+    assert EmbeddingConfig(dim=128, max_capacity=cap, bucket_size=128).table_bytes() == cap * EmbeddingConfig(dim=128).bytes_per_row()
+    with pytest.raises(ValueError, match="no bucket"):
+        c.capacity_for_budget(1000)

@@ -21,7 +21,10 @@ from .optimizers import OptimizerConfig
 from .table import MISSING, ReferenceHashTable, sum_by_key
 from .triton_optimizers import fused_update
 
-EVICTION_POLICIES = ("lru", "lfu")
+# score of a row: lru = step of last use; lfu = uses so far; epoch_lru / epoch_lfu = epoch in
+# the high 32 bits, step or uses within the epoch in the low 32; custom = given by the
+# caller; none = lru scores, but a full table never evicts (grow only)
+EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "custom", "none")
 BACKENDS = ("auto", "reference", "triton")
 
 
@@ -38,16 +41,18 @@ def table_class(backend: str, device: torch.device):
     return ReferenceHashTable
 
 
-def make_table(config: "EmbeddingConfig", device: torch.device):
+def make_table(config: "EmbeddingConfig", device: torch.device, row_dim: int | None = None, capacity: int | None = None):
+    """The table for a config (row_dim and capacity overridable: the admission counters)."""
     cls = table_class(config.backend, device)
     kwargs = {"deterministic": config.deterministic} if cls is not ReferenceHashTable else {}
     return cls(
-        config.row_dim,
-        capacity=config.capacity,
-        max_capacity=config.max_capacity,
+        row_dim or config.row_dim,
+        capacity=min(config.capacity, capacity) if capacity else config.capacity,
+        max_capacity=capacity or config.max_capacity,
         bucket_size=config.bucket_size,
         max_load_factor=config.max_load_factor,
         device=device,
+        evict=config.eviction != "none",
         **kwargs,
     )
 
@@ -62,9 +67,14 @@ class EmbeddingConfig:
     max_capacity: int = 1 << 22  # slots per rank; a full table evicts by score
     bucket_size: int = 32
     max_load_factor: float = 0.75
-    eviction: str = "lru"  # score = step of last use (lru) or use count (lfu)
+    eviction: str = "lru"  # see EVICTION_POLICIES
     backend: str = "auto"  # table implementation, see table_class
     deterministic: bool = False  # Triton table: the reference's layout bit for bit (slower inserts)
+    # a new id gets a row once seen this many times (counted in a table of its own
+    # capacity); until then it is served its initial embedding without being stored
+    admission_threshold: int = 1
+    admission_capacity: int = 1 << 20
+    read_only: bool = False  # never inserts, never bumps scores (serving, shared features)
 
     def __post_init__(self):
         if self.eviction not in EVICTION_POLICIES:
@@ -73,6 +83,22 @@ class EmbeddingConfig:
     @property
     def row_dim(self) -> int:
         return self.dim + self.optimizer.state_dim(self.dim)
+
+    def bytes_per_row(self, dtype: torch.dtype = torch.float32) -> int:
+        """Memory of one slot: the row (embedding + optimizer state), key, score, digest."""
+        return self.row_dim * torch.finfo(dtype).bits // 8 + 8 + 8 + 1
+
+    def table_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Memory one rank's table takes at max_capacity (rounded up to whole buckets)."""
+        buckets = 1 << max(0, -(-self.max_capacity // self.bucket_size) - 1).bit_length()
+        return buckets * self.bucket_size * self.bytes_per_row(dtype)
+
+    def capacity_for_budget(self, bytes_per_rank: int, dtype: torch.dtype = torch.float32) -> int:
+        """The largest max_capacity (a power-of-two number of buckets) that fits the budget."""
+        buckets = bytes_per_rank // (self.bucket_size * self.bytes_per_row(dtype))
+        if buckets < 1:
+            raise ValueError(f"{bytes_per_rank} bytes hold no bucket of {self.bucket_size} rows of dim {self.dim}")
+        return (1 << (int(buckets).bit_length() - 1)) * self.bucket_size
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +119,8 @@ class TableStats:
     inserts: int = 0
     evictions: int = 0
     rejections: int = 0  # new ids that lost to a full bucket: served, not stored
+    admissions: int = 0  # new ids whose count reached the admission threshold
+    admission_rejections: int = 0  # new ids served without a row: count below threshold
 
     @property
     def load_factor(self) -> float:
@@ -114,7 +142,14 @@ class DynamicEmbedding:
         self.config = config
         self.device = torch.device(device)
         self.table = make_table(config, self.device)
+        # counts of ids not yet admitted, kept as the counter table's scores
+        self.counters = (
+            make_table(config, self.device, row_dim=1, capacity=config.admission_capacity)
+            if config.admission_threshold > 1
+            else None
+        )
         self.step = 0  # number of updates applied; the LRU clock
+        self.epoch = 0  # the epoch_* policies' high bits; set by the training loop
         self._stats = TableStats()
         # hits, inserts, rejections: counted on the device, so lookups never wait for it
         self._counts = torch.zeros(3, dtype=torch.int64, device=self.device)
@@ -132,27 +167,32 @@ class DynamicEmbedding:
         state = optimizers.initial_state(c.optimizer, keys.numel(), c.dim, torch.float32, keys.device)
         return torch.cat([emb, state], 1)
 
-    def lookup(self, ids: torch.Tensor, train: bool = True) -> torch.Tensor:
-        """Embeddings (N, dim) for int64 ids (N,). With train, unseen ids get a row and every
-        id's score is bumped; without it the table is read-only and unseen ids get their
-        initial embedding without being stored."""
+    def lookup(self, ids: torch.Tensor, train: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings (N, dim) for int64 ids (N,). With train, admitted unseen ids get a row
+        and every id's score is bumped; without it (or for a read_only table) nothing is
+        written and ids without a row get their initial embedding. `scores` (N,): the
+        scores of the custom policy (copies of an id: the highest)."""
         ids = ids.to(self.device)
         if ids.numel() == 0:
             return torch.empty(0, self.dim, device=self.device)
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        if train:
-            slots, inserted, evicted = self.table.find_or_insert(uniq, self._scores(uniq, counts))
+        if train and not self.config.read_only:
+            uscores = self._scores(uniq, counts, inverse, scores)
+            keep = self._admit(uniq, counts) if self.counters is not None else None
+            kept = uniq if keep is None else uniq[keep]
+            kept_slots, inserted, evicted = self.table.find_or_insert(kept, uscores if keep is None else uscores[keep])
             new = inserted.nonzero().squeeze(1)
             if new.numel():
-                self.table.values[slots[new]] = self.initial_rows(uniq[new])
-            present = slots != MISSING
+                self.table.values[kept_slots[new]] = self.initial_rows(kept[new])
+            stored = kept_slots != MISSING
             n_new = inserted.sum()
-            self._counts += torch.stack([present.sum() - n_new, n_new, (~present).sum()])
+            self._counts += torch.stack([stored.sum() - n_new, n_new, (~stored).sum()])
             self._stats.evictions += evicted.keys.numel()
+            slots = kept_slots if keep is None else torch.full_like(uniq, MISSING).masked_scatter_(keep, kept_slots)
         else:
             slots = self.table.find(uniq)
-            present = slots != MISSING
-            self._counts[0] += present.sum()
+            self._counts[0] += (slots != MISSING).sum()
+        present = slots != MISSING
         self._stats.lookups += uniq.numel()
         # gather only the embedding columns; ids without a row get their initial embedding
         emb = self.table.values[:, : self.dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
@@ -161,12 +201,39 @@ class DynamicEmbedding:
             emb[missing] = self.initial_rows(uniq[missing])[:, : self.dim]
         return emb[inverse]
 
-    def _scores(self, uniq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if self.config.eviction == "lru":
+    def _scores(self, uniq, counts, inverse, given) -> torch.Tensor:
+        policy = self.config.eviction
+        if policy == "custom":
+            if given is None:
+                raise ValueError("the custom eviction policy needs scores in lookup()")
+            out = torch.full_like(uniq, torch.iinfo(torch.int64).min)
+            return out.scatter_reduce_(0, inverse, given.to(self.device, torch.int64), "amax")
+        epoch = self.epoch << 32
+        if policy in ("lru", "none"):
             return torch.full_like(uniq, self.step)
-        slots = self.table.find(uniq)  # lfu: use count so far + uses in this batch
+        if policy == "epoch_lru":
+            return torch.full_like(uniq, epoch | (self.step & 0xFFFFFFFF))
+        slots = self.table.find(uniq)  # lfu: uses so far + uses in this batch
         old = torch.where(slots != MISSING, self.table.scores[slots.clamp(min=0)], 0)
-        return old + counts
+        if policy == "lfu":
+            return old + counts
+        same_epoch = (old >> 32) == self.epoch  # epoch_lfu: uses counted within the epoch
+        return epoch | ((torch.where(same_epoch, old & 0xFFFFFFFF, 0) + counts) & 0xFFFFFFFF)
+
+    def _admit(self, uniq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Which unique ids may have a row: those stored already, and new ones whose count
+        (kept in the counter table, bumped by this batch's uses) reaches the threshold."""
+        keep = self.table.find(uniq) != MISSING
+        new = (~keep).nonzero().squeeze(1)
+        before = self.counters.find(uniq[new])
+        seen = torch.where(before != MISSING, self.counters.scores[before.clamp(min=0)], 0) + counts[new]
+        self.counters.find_or_insert(uniq[new], seen)  # a full counter table forgets its lowest counts
+        admitted = seen >= self.config.admission_threshold
+        self.counters.erase(uniq[new][admitted])
+        keep[new] = admitted
+        self._stats.admissions += int(admitted.sum())
+        self._stats.admission_rejections += int((~admitted).sum())
+        return keep
 
     def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Sums the gradients of duplicate ids and applies the optimizer to their rows."""

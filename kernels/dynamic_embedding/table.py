@@ -12,6 +12,7 @@ Stated semantics, for every backend:
   table's layout is a function of the call sequence alone (deterministic).
 - a full bucket, at `max_capacity`, evicts its lowest-score rows not used by this call
   (ties broken by slot index); a new key whose score is below that victim's is not stored.
+  With evict=False (grow only) a new key that finds its bucket full there is not stored.
   Evicted keys, rows and scores are returned so a lower tier can take them.
 - below `max_capacity` the table grows (doubling) instead of evicting, when a bucket is
   full or the load factor would pass `max_load_factor`.
@@ -82,12 +83,14 @@ class ReferenceHashTable:
         max_load_factor: float = 0.75,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        evict: bool = True,
     ):
         if bucket_size <= 0 or row_dim <= 0:
             raise ValueError("bucket_size and row_dim must be positive")
         self.row_dim = row_dim
         self.bucket_size = bucket_size
         self.max_load_factor = max_load_factor
+        self.evict = evict
         self.dtype = dtype
         self.device = torch.device(device)
         # power-of-two bucket counts: doubling splits each bucket in two, so a re-hash
@@ -275,7 +278,7 @@ class ReferenceHashTable:
         slots_sorted[fits] = buckets[fits] * S + nth_free[fits]
 
         evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
-        if bool(overflow.any()):
+        if self.evict and bool(overflow.any()):
             evicted, victim_slots = self._evict(
                 buckets[overflow], rank[overflow] - n_free[overflow], scores_sorted[overflow], used_keys
             )

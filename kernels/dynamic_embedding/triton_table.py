@@ -37,11 +37,12 @@ def _digest(h):
 @triton.jit(do_not_specialize=["bucket_mask"])
 def _find_kernel(
     query_ptr, n, table_keys_ptr, digests_ptr, slot_ptr, bucket_mask,
-    values_ptr, out_ptr, row_dim, out_dim,
-    BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
+    values_ptr, out_ptr, row_dim, out_dim, score_ptr, scores_ptr,
+    BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr, TOUCH: tl.constexpr,
 ):
-    """slot of each query key (or -1); with GATHER, also copies the first out_dim values of
-    found rows into out (rows of missing keys are left untouched)."""
+    """slot of each query key (or -1). GATHER: also copy the first out_dim values of found
+    rows into out (rows of missing keys are left untouched). TOUCH: a found row's score
+    becomes the highest score any copy of its key brings (pass 1 of fast find_or_insert)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     key = tl.load(query_ptr + offs, mask=live, other=0)
@@ -55,6 +56,8 @@ def _find_kernel(
     found = tl.max(hit.to(tl.int32), axis=1) > 0
     slot = tl.where(found, tl.sum(tl.where(hit, slots, 0), axis=1), -1)
     tl.store(slot_ptr + offs, slot, mask=live)
+    if TOUCH:
+        tl.atomic_max(scores_ptr + slot, tl.load(score_ptr + offs, mask=live, other=0), mask=found)
     if GATHER:
         for c in range(0, out_dim, DIM_BLOCK):
             cols = c + tl.arange(0, DIM_BLOCK)
@@ -160,29 +163,6 @@ def _export_kernel(
 
 
 @triton.jit(do_not_specialize=["bucket_mask"])
-def _touch_kernel(
-    query_ptr, score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, slot_ptr, bucket_mask,
-    BUCKET: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Fast mode, pass 1: probe every key; a found row's score becomes the highest score
-    any copy of its key brings. slot = -1 for keys not found."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    key = tl.load(query_ptr + offs, mask=live, other=0)
-    h = _hash(key)
-    bucket = (h & bucket_mask.to(tl.uint64)).to(tl.int64)
-    slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
-    digests = tl.load(digests_ptr + slots, mask=live[:, None], other=0)
-    maybe = (digests == _digest(h)[:, None]) & live[:, None]
-    keys = tl.load(table_keys_ptr + slots, mask=maybe, other=0)
-    hit = maybe & (keys == key[:, None])
-    found = tl.max(hit.to(tl.int32), axis=1) > 0
-    slot = tl.where(found, tl.sum(tl.where(hit, slots, 0), axis=1), -1)
-    tl.atomic_max(scores_ptr + slot, tl.load(score_ptr + offs, mask=live, other=0), mask=found)
-    tl.store(slot_ptr + offs, slot, mask=live)
-
-
-@triton.jit(do_not_specialize=["bucket_mask"])
 def _claim_kernel(
     query_ptr, score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, slot_ptr, inserted_ptr, dummy_ptr, bucket_mask,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr,
@@ -270,15 +250,11 @@ class TritonHashTable(ReferenceHashTable):
         keys = self._check_keys(keys).contiguous()
         scores = scores.to(self.device, torch.int64).contiguous()
         n = keys.numel()
-        slots = torch.empty(n, dtype=torch.int64, device=self.device)
         inserted = torch.zeros(n, dtype=torch.int8, device=self.device)
         evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
+        slots = self._probe(keys, touch=scores)
         if n == 0:
             return slots, inserted.bool(), evicted
-        _touch_kernel[_grid(n, self.FIND_BLOCK)](
-            keys, scores, n, self.keys, self.digests, self.scores, slots, self.num_buckets - 1,
-            BUCKET=self.bucket_size, BLOCK=self.FIND_BLOCK,
-        )
         _claim_kernel[_grid(n, self.PLACE_BLOCK)](
             keys, scores, n, self.keys, self.digests, self.scores, slots, inserted, self._dummy,
             self.num_buckets - 1, BUCKET=self.bucket_size, BLOCK=self.PLACE_BLOCK,
@@ -315,7 +291,9 @@ class TritonHashTable(ReferenceHashTable):
         self.digests = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
         self._protected = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
 
-    def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None, touch: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots of keys (-1 if absent); `out` receives found rows' values; `touch` (scores)
+        raises found rows' scores."""
         n = keys.numel()
         slots = torch.empty(n, dtype=torch.int64, device=self.device)
         if n == 0:
@@ -325,8 +303,9 @@ class TritonHashTable(ReferenceHashTable):
         _find_kernel[_grid(n, self.FIND_BLOCK)](
             keys, n, self.keys, self.digests, slots, self.num_buckets - 1,
             self.values, out if gather else self.values, self.row_dim, out_dim,
+            touch if touch is not None else slots, self.scores,
             BUCKET=self.bucket_size, BLOCK=self.FIND_BLOCK,
-            DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))), GATHER=gather,
+            DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))), GATHER=gather, TOUCH=touch is not None,
         )
         return slots
 
@@ -359,7 +338,8 @@ class TritonHashTable(ReferenceHashTable):
         M = keys_sorted.numel()
         slots = torch.empty(M, dtype=torch.int64, device=self.device)
         evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
-        if at_max:
+        evicting = at_max and self.evict  # else keys past a full bucket's free slots are not stored
+        if evicting:
             victim_keys, victim_scores = torch.empty_like(slots), torch.empty_like(slots)
             victim = torch.empty(M, dtype=torch.int8, device=self.device)
             used = self._probe(used_keys.contiguous())
@@ -370,9 +350,9 @@ class TritonHashTable(ReferenceHashTable):
         _choose_slots_kernel[_grid(M, self.PLACE_BLOCK)](
             buckets.contiguous(), rank.contiguous(), scores_sorted, M, self.keys, self.digests, self.scores, self._protected,
             slots, victim_keys, victim_scores, victim,
-            BUCKET=S, BLOCK=self.PLACE_BLOCK, EVICT=at_max,
+            BUCKET=S, BLOCK=self.PLACE_BLOCK, EVICT=evicting,
         )
-        if at_max:
+        if evicting:
             self._protected[used] = 0
             v = victim.bool()
             evicted = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])
