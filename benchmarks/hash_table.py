@@ -6,7 +6,8 @@
 int64 keys, fp32 values, 1,048,576 keys per call, dim 8 / 64 / 128 with capacity
 128M / 64M / 32M, load factor 0.5 and 1.0, bucket size 128. Per call:
 - find: present keys only; returns values (fused probe + copy) and the found mask.
-- find_or_insert: half present, half new keys; new rows get initial values; returns values.
+- find_or_insert: half present, half new keys, through find_or_insert_values (HKV's
+  semantics: new keys are stored with the buffer's rows, every key's row is returned).
 - insert_or_assign: half present, half new keys, with their values.
 - export: every stored row (keys, values, scores); keys/s = rows exported per second.
 The table runs in its default fast mode; find_or_insert and insert_or_assign are also
@@ -92,9 +93,8 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
 
     def find_or_insert(keys):
         step[0] += 1
-        slots, inserted, _ = table.find_or_insert(keys, torch.full_like(keys, step[0]))
-        table.values[slots[inserted]] = rows[inserted]
-        torch.index_select(table.values, 0, slots.clamp(min=0), out=out)
+        out.copy_(rows)  # the new keys' values; found keys' rows come back in it
+        table.find_or_insert_values(keys, torch.full_like(keys, step[0]), out)
 
     def insert_or_assign(keys):
         step[0] += 1

@@ -5,6 +5,14 @@ import torch
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, OptimizerConfig
 
 
+# the Triton backend runs on the GPU where there is one, else under Triton's interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on(backend: str) -> str:
+    return DEVICE if backend == "triton" else "cpu"
+
+
 def make(opt: str = "adam", **kw) -> DynamicEmbedding:
     return DynamicEmbedding(EmbeddingConfig(dim=4, optimizer=OptimizerConfig(name=opt, lr=0.1, **kw), capacity=16))
 
@@ -87,25 +95,27 @@ def test_unknown_settings_are_refused():
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_admission_stores_an_id_once_its_count_reaches_the_threshold(backend):
-    e = DynamicEmbedding(EmbeddingConfig(dim=4, admission_threshold=3, backend=backend))
-    initial = e.initial_rows(torch.tensor([7]))[0, :4]
-    first = e.lookup(torch.tensor([7, 8]))  # count 1 each
+    device = on(backend)
+    t = lambda *v: torch.tensor(v, device=device)  # noqa: E731
+    e = DynamicEmbedding(EmbeddingConfig(dim=4, admission_threshold=3, backend=backend), device)
+    initial = e.initial_rows(t(7))[0, :4]
+    first = e.lookup(t(7, 8))  # count 1 each
     assert e.stats().size == 0 and torch.equal(first[0], initial)  # served its initial row, not stored
-    e.lookup(torch.tensor([7, 7]))  # count 3: admitted
-    assert e.table.find(torch.tensor([7])).item() != -1 and e.table.find(torch.tensor([8])).item() == -1
+    e.lookup(t(7, 7))  # count 3: admitted
+    assert e.table.find(t(7)).item() != -1 and e.table.find(t(8)).item() == -1
     s = e.stats()
     assert (s.admissions, s.admission_rejections, s.size) == (1, 2, 1)
-    assert e.counters.find(torch.tensor([7])).item() == -1  # its counter is gone
-    rows = e.lookup(torch.tensor([8, 9])).requires_grad_(True)
+    assert e.counters.find(t(7)).item() == -1  # its counter is gone
+    rows = e.lookup(t(8, 9)).requires_grad_(True)
     rows.sum().backward()
-    e.apply_gradients(torch.tensor([8, 9]), rows.grad)  # ids without rows: nothing to update
+    e.apply_gradients(t(8, 9), rows.grad)  # ids without rows: nothing to update
     assert e.stats().size == 1
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_read_only_feature_never_writes(backend):
-    e = DynamicEmbedding(EmbeddingConfig(dim=4, read_only=True, backend=backend))
-    out = e.lookup(torch.tensor([1, 2, 1]))
+    e = DynamicEmbedding(EmbeddingConfig(dim=4, read_only=True, backend=backend), on(backend))
+    out = e.lookup(torch.tensor([1, 2, 1], device=on(backend)))
     assert e.stats().size == 0 and torch.equal(out[0], out[2])
 
 
@@ -138,12 +148,12 @@ def test_eviction_policies_score_rows_as_documented():
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_no_eviction_policy_grows_then_rejects(backend):
     config = EmbeddingConfig(dim=2, eviction="none", capacity=8, max_capacity=16, bucket_size=8, backend=backend)
-    e = DynamicEmbedding(config)
-    e.lookup(torch.arange(40))
+    e = DynamicEmbedding(config, on(backend))
+    e.lookup(torch.arange(40, device=on(backend)))
     s = e.stats()
     assert s.evictions == 0 and s.size <= 16 and s.rejections == 40 - s.size > 0
     kept = set(e.export_rows()[0].tolist())
-    e.lookup(torch.arange(100, 140))
+    e.lookup(torch.arange(100, 140, device=on(backend)))
     assert set(e.export_rows()[0].tolist()) == kept  # nothing stored is ever pushed out
 
 

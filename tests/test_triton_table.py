@@ -10,7 +10,7 @@ from kernels.dynamic_embedding.triton_table import TritonHashTable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 64 if DEVICE == "cuda" else 1  # batch sizes on a GPU
-OPS = ["find", "find_or_insert", "insert_or_assign", "assign", "accumulate", "erase", "export", "find_values"]
+OPS = ["find", "find_or_insert", "find_or_insert_values", "insert_or_assign", "assign", "accumulate", "erase", "export", "find_values"]
 
 op_lists = st.lists(
     st.tuples(
@@ -64,6 +64,9 @@ def apply(table, op, keys, rows, scores):
         init = (keys[:, None] % 997).float() + torch.arange(table.row_dim, device=keys.device)
         table.values[slots[inserted]] = init[inserted]
         return out
+    if op == "find_or_insert_values":
+        buffer = rows.clone()
+        return table.find_or_insert_values(keys, scores, buffer), buffer
     if op == "insert_or_assign":
         return table.insert_or_assign(keys, rows, scores)
     if op == "assign":
@@ -177,3 +180,22 @@ def test_fast_mode_keeps_the_tables_promises(max_capacity, batches):
             assert bool(stored.all())
             assert set(table_keys) == set(ref.export()[0].tolist())
             assert set(new_reported) == set(keys[ref_inserted].tolist())
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_find_or_insert_values_moves_rows_both_ways(deterministic):
+    table = TritonHashTable(row_dim=3, capacity=16 * SCALE, max_capacity=1 << 12, bucket_size=8, device=DEVICE, deterministic=deterministic)
+    old = torch.arange(10, device=DEVICE)
+    table.insert_or_assign(old, torch.full((10, 3), 5.0, device=DEVICE), torch.zeros_like(old))
+    keys = torch.tensor([3, 100, 100, 4, 101], device=DEVICE)
+    buffer = torch.arange(15, dtype=torch.float32, device=DEVICE).reshape(5, 3)
+    given = buffer.clone()
+    slots, inserted, _ = table.find_or_insert_values(keys, torch.ones_like(keys), buffer)
+    assert torch.equal(buffer[[0, 3]], torch.full((2, 3), 5.0, device=DEVICE))  # found: the stored row
+    assert torch.equal(table.values[slots[4]], given[4]) and torch.equal(buffer[4], given[4])  # new: stored
+    stored_100 = table.values[slots[1]]
+    assert any(torch.equal(stored_100, given[i]) for i in (1, 2))  # one copy's row ...
+    assert torch.equal(buffer[1], stored_100) and torch.equal(buffer[2], stored_100)  # ... that both get back
+    if deterministic:
+        assert torch.equal(stored_100, given[1])  # the first copy
+    assert int(inserted.sum()) == 2

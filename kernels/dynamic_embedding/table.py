@@ -40,14 +40,22 @@ def sum_by_key(
     return uniq, sums, inverse
 
 
-def _last_occurrence(keys: torch.Tensor) -> torch.Tensor:
-    """(N,) bool: True at the last copy of each key."""
+def _nth_occurrence(keys: torch.Tensor, reduce: str) -> torch.Tensor:
+    """(N,) bool: True at the first (amin) or last (amax) copy of each key."""
     uniq, inverse = torch.unique(keys, return_inverse=True)
-    last = torch.zeros(uniq.numel(), dtype=torch.int64, device=keys.device)
-    last.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=keys.device), "amax")
+    pick = torch.zeros(uniq.numel(), dtype=torch.int64, device=keys.device)
+    pick.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=keys.device), reduce, include_self=False)
     mask = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
-    mask[last] = True
+    mask[pick] = True
     return mask
+
+
+def _first_occurrence(keys: torch.Tensor) -> torch.Tensor:
+    return _nth_occurrence(keys, "amin")
+
+
+def _last_occurrence(keys: torch.Tensor) -> torch.Tensor:
+    return _nth_occurrence(keys, "amax")
 
 
 def _pow2_at_least(n: int) -> int:
@@ -172,6 +180,27 @@ class ReferenceHashTable:
         inserted = torch.zeros_like(missing)
         inserted[missing] = slots[missing] != MISSING
         return slots[inverse], inserted[inverse], evicted
+
+    def find_or_insert_values(
+        self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Evicted]:
+        """find_or_insert whose `values` (N, row_dim) go both ways, as HierarchicalKV's: a
+        new key is stored with its row of values (of several copies, the one reported
+        inserted), then every row of values receives its key's stored row (rows of keys
+        not stored keep their input). Returns find_or_insert's result."""
+        slots, inserted, evicted = self.find_or_insert(keys, scores)
+        if self.deterministic and keys.numel():  # the first copy of a new key is the one
+            inserted = inserted & _first_occurrence(keys)
+        self._store_rows(slots, inserted, values)
+        self._load_rows(slots, values)
+        return slots, inserted, evicted
+
+    def _store_rows(self, slots, inserted, values):
+        self.values[slots[inserted]] = values[inserted]
+
+    def _load_rows(self, slots, values):
+        ok = slots != MISSING
+        values[ok] = self.values[slots[ok]]
 
     # ---- writes --------------------------------------------------------------------------
     def insert_or_assign(
