@@ -6,7 +6,7 @@ import torch
 
 from conftest import run_distributed
 from kernels.dynamic_embedding import (
-    DumpError, EmbeddingConfig, OptimizerConfig, ShardedDynamicEmbedding, dump, load, read_manifest, shard_of,
+    DumpError, EmbeddingConfig, OptimizerConfig, ShardedDynamicEmbedding, dump, dump_async, load, read_manifest, shard_of,
 )
 
 CONFIG = EmbeddingConfig(dim=6, optimizer=OptimizerConfig(name="adam", lr=0.05), capacity=64)
@@ -150,3 +150,33 @@ def test_empty_table_dumps_and_loads(tmp_path):
     path = dump(ShardedDynamicEmbedding(CONFIG), tmp_path / "empty")
     table = ShardedDynamicEmbedding(CONFIG)
     assert load(table, path)["total_rows"] == 0 and table.stats().size == 0
+
+
+def _snapshot_while_training(rank, world, path, expect_file):
+    table = ShardedDynamicEmbedding(CONFIG)
+    train(table, rank, world)
+    record(table, f"{expect_file}.rank{rank}.pt")
+    pending = dump_async(table, path, metadata={"note": "background"})
+    train(table, rank, world)  # training goes on (collectives included) while the dump is written
+    pending.wait(timeout=60)
+
+
+def test_non_blocking_dump_is_the_snapshot_at_the_call(tmp_path):
+    path = tmp_path / "async"
+    run_distributed(2, _snapshot_while_training, str(path), str(tmp_path / "expect"))
+    manifest = read_manifest(path)
+    assert manifest["world_size"] == 2 and manifest["metadata"] == {"note": "background"}
+    expect = expected_lookups([tmp_path / f"expect.rank{r}.pt" for r in range(2)])
+    table = ShardedDynamicEmbedding(CONFIG)
+    load(table, path)
+    torch.testing.assert_close(table.lookup(ALL_IDS, train=False), expect, rtol=0, atol=0)
+    assert not list(tmp_path.glob(".async.partial-*"))  # committed by rename
+
+
+def test_non_blocking_dump_reports_failure(tmp_path):
+    table = ShardedDynamicEmbedding(CONFIG)
+    table.lookup(ALL_IDS[:5])
+    (tmp_path / "blocked").write_text("a file where the dump's folder should go")
+    pending = dump_async(table, tmp_path / "blocked" / "d")
+    with pytest.raises(DumpError, match="background dump failed"):
+        pending.wait(timeout=30)

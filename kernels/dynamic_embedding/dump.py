@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -211,3 +213,95 @@ def load(table: ShardedDynamicEmbedding, path: str | Path) -> dict:
         table.local.import_rows(*(t[name][mine] for name in _TENSORS))
     table.local.step = max(table.local.step, manifest["step"])
     return manifest
+
+
+class PendingDump:
+    """A dump being written in the background; wait() returns its path or raises."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _run(self, fn) -> None:
+        def target():
+            try:
+                fn()
+            except BaseException as e:  # handed to wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name=f"dump {self.path.name}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self.path}: dump still being written after {timeout} s")
+        if self._error is not None:
+            raise DumpError(f"{self.path}: background dump failed: {self._error}") from self._error
+        return self.path
+
+
+def dump_async(
+    table: ShardedDynamicEmbedding,
+    path: str | Path,
+    min_score: int | None = None,
+    metadata: dict | None = None,
+    commit_timeout_s: float = 3600.0,
+) -> PendingDump:
+    """Collective at the call, then non-blocking: the table's rows as they are now.
+
+    Each rank exports its rows at the call (the snapshot: a copy, on the table's device,
+    held until written); a background thread moves it to the host, writes the shard and a
+    completion record; rank 0's thread writes the manifest and renames the directory into
+    place once every rank's record is there. The threads use the filesystem, not the
+    process group, so training may keep using it.
+    """
+    path = Path(path)
+    world, rank, group = table.world_size, table.rank, table.group
+    if path.exists():
+        raise DumpError(f"{path}: already exists")
+    # names this dump's files; not from torch's generator, which training's randomness uses
+    token = torch.tensor([int.from_bytes(os.urandom(7), "little")], device=table.local.device)
+    if world > 1:
+        dist.broadcast(token, src=0, group=group)
+    tmp = path.with_name(f".{path.name}.partial-{int(token)}")
+    keys, emb, state, scores = table.local.export_rows(min_score)
+    snapshot = dict(zip(_TENSORS, (keys, emb, state, scores)))
+    header = {"step": table.step, "config": table.config.to_dict()}
+    pending = PendingDump(path)
+
+    def write() -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        shard = tmp / shard_name(rank, world)
+        save_file({k: v.detach().contiguous().cpu() for k, v in snapshot.items()}, shard)
+        _fsync(shard)
+        record = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": sha256_of(shard), "rows": len(snapshot["keys"])}
+        write_json_atomic(tmp / f"{shard.name}.done", record)
+        if rank != 0:
+            return
+        deadline = time.monotonic() + commit_timeout_s
+        records = [tmp / f"{shard_name(r, world)}.done" for r in range(world)]
+        while not all(r.is_file() for r in records):
+            if time.monotonic() > deadline:
+                raise DumpError(f"{tmp}: not every rank finished its shard in {commit_timeout_s} s")
+            time.sleep(0.05)
+        shards = [json.loads(r.read_text()) for r in records]
+        manifest = {
+            "format": FORMAT, "version": VERSION, "kind": "full" if min_score is None else "incremental",
+            "min_score": min_score, "step": header["step"], "world_size": world,
+            "total_rows": sum(s["rows"] for s in shards), "config": header["config"],
+            "metadata": metadata or {}, "shards": shards,
+        }
+        for r in records:
+            r.unlink()
+        write_json_atomic(tmp / MANIFEST, manifest)
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+
+    pending._run(write)
+    return pending
