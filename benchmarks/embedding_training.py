@@ -17,6 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results_path import result_path  # noqa: E402
+
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, OptimizerConfig  # noqa: E402
 
 TABLES, CAPACITY, IDS, DIM, ALPHA = 10, 1_677_721, 104_857, 128, 1.05
@@ -67,7 +69,7 @@ def main() -> None:
     p.add_argument("--optimizer", nargs="+", default=["adam", "sgd"])
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "embedding_training.json"))
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/embedding_training_<gpu>.json)")
     args = p.parse_args()
     rows = [run(o, args.iters, args.warmup) for o in args.optimizer]
     print(f"\n{torch.cuda.get_device_name()}: forward + backward + update, ms per iteration")
@@ -75,9 +77,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['optimizer']:<10}{r['ms_mean']:>8.2f}{r['ms_median']:>8.2f}   {r['published_ms']}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {args.out}")
+    out = Path(args.out) if args.out else result_path("embedding_training")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results_path import result_path  # noqa: E402
+
 from kernels.dynamic_embedding.triton_table import TritonHashTable  # noqa: E402
 
 BATCH = 1 << 20
@@ -143,7 +145,7 @@ def main() -> None:
     p.add_argument("--load-factors", type=float, nargs="+", default=[0.5, 1.0])
     p.add_argument("--scale", type=float, default=1.0, help="capacity multiplier (smaller GPUs, quick runs)")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "hash_table.json"))
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hash_table_<gpu>.json)")
     args = p.parse_args()
     rows = [r for d in args.dims for lf in args.load_factors for r in run(d, lf, args.scale, args.reps)]
     print(f"\n{torch.cuda.get_device_name()}, batch {BATCH} keys, billions of keys/s")
@@ -152,9 +154,10 @@ def main() -> None:
         hkv = f"{r['hkv_h100_billion_keys_per_s']:.2f}" if r["hkv_h100_billion_keys_per_s"] else "-"
         print(f"{r['op']:<24}{r['dim']:>5}{r['load_factor']:>6}{r['actual_load_factor']:>8}{r['billion_keys_per_s']:>10.3f}{hkv:>10}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": BATCH, "bucket_size": 128, "scale": args.scale}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {args.out}")
+    out = Path(args.out) if args.out else result_path("hash_table")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
