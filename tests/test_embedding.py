@@ -167,3 +167,32 @@ def test_memory_budget():
     assert EmbeddingConfig(dim=128, max_capacity=cap, bucket_size=128).table_bytes() == cap * EmbeddingConfig(dim=128).bytes_per_row()
     with pytest.raises(ValueError, match="no bucket"):
         c.capacity_for_budget(1000)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_device_tier_caches_a_host_tier_and_loses_nothing(backend):
+    """A table of 64 device rows in front of host memory trains like a table with every
+    row on the device: rows move between tiers, none is lost or changed on the way."""
+    device = on(backend)
+    tiered_cfg = EmbeddingConfig(dim=3, optimizer=OptimizerConfig(name="adam", lr=0.1), capacity=64, bucket_size=8,
+                                 max_capacity=4096, device_capacity=64, backend=backend, deterministic=True)
+    flat_cfg = EmbeddingConfig(dim=3, optimizer=OptimizerConfig(name="adam", lr=0.1), capacity=64, bucket_size=8,
+                               max_capacity=4096, backend="reference")
+    tiered, flat = DynamicEmbedding(tiered_cfg, device), DynamicEmbedding(flat_cfg)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 300, (24,), generator=g) for _ in range(12)]
+    for i, ids in enumerate(batches):
+        if i + 1 < len(batches):
+            tiered.prefetch(batches[i + 1].to(device))
+        for e in (tiered, flat):
+            rows = e.lookup(ids.to(e.device)).requires_grad_(True)
+            (rows.sum(1) * torch.arange(24, device=e.device)).sum().backward()
+            e.apply_gradients(ids.to(e.device), rows.grad)
+    s = tiered.stats()
+    assert s.promotions > 0 and s.demotions > 0 and s.evictions == 0
+    assert tiered.table.size() <= 64 < s.size == flat.stats().size
+    assert s.bytes_host > s.bytes_device > 0
+    everything = torch.arange(0, 300)
+    torch.testing.assert_close(tiered.lookup(everything.to(device), train=False).cpu(), flat.lookup(everything, train=False), rtol=1e-5, atol=1e-6)
+    keys, emb, state, _ = tiered.export_rows()
+    assert len(set(keys.tolist())) == len(keys) == s.size  # each row in one tier

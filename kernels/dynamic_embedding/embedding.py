@@ -41,8 +41,11 @@ def table_class(backend: str, device: torch.device):
     return ReferenceHashTable
 
 
-def make_table(config: "EmbeddingConfig", device: torch.device, row_dim: int | None = None, capacity: int | None = None):
-    """The table for a config (row_dim and capacity overridable: the admission counters)."""
+def make_table(
+    config: "EmbeddingConfig", device: torch.device, row_dim: int | None = None, capacity: int | None = None, evict: bool | None = None
+):
+    """The table for a config (row_dim, capacity, eviction overridable: admission counters,
+    the device tier of a tiered table)."""
     cls = table_class(config.backend, device)
     kwargs = {"deterministic": config.deterministic} if cls is not ReferenceHashTable else {}
     return cls(
@@ -52,7 +55,7 @@ def make_table(config: "EmbeddingConfig", device: torch.device, row_dim: int | N
         bucket_size=config.bucket_size,
         max_load_factor=config.max_load_factor,
         device=device,
-        evict=config.eviction != "none",
+        evict=config.eviction != "none" if evict is None else evict,
         **kwargs,
     )
 
@@ -75,6 +78,9 @@ class EmbeddingConfig:
     admission_threshold: int = 1
     admission_capacity: int = 1 << 20
     read_only: bool = False  # never inserts, never bumps scores (serving, shared features)
+    # rows kept in device memory; the rest, up to max_capacity, live in (pinned) host
+    # memory. None: every row on the device
+    device_capacity: int | None = None
 
     def __post_init__(self):
         if self.eviction not in EVICTION_POLICIES:
@@ -119,6 +125,10 @@ class TableStats:
     inserts: int = 0
     evictions: int = 0
     rejections: int = 0  # new ids that lost to a full bucket: served, not stored
+    promotions: int = 0  # rows moved from host memory to the device (tiered tables)
+    demotions: int = 0  # rows moved from the device to host memory
+    bytes_device: int = 0
+    bytes_host: int = 0
     admissions: int = 0  # new ids whose count reached the admission threshold
     admission_rejections: int = 0  # new ids served without a row: count below threshold
 
@@ -141,7 +151,18 @@ class DynamicEmbedding:
     def __init__(self, config: EmbeddingConfig, device: torch.device | str = "cpu"):
         self.config = config
         self.device = torch.device(device)
-        self.table = make_table(config, self.device)
+        # with device_capacity, `table` is the device tier and `host` the rest: a row lives
+        # in one of them; lookups promote host rows, the device tier demotes what it evicts
+        self.host = None
+        if config.device_capacity is None:
+            self.table = make_table(config, self.device)
+        else:
+            self.table = make_table(config, self.device, capacity=config.device_capacity, evict=True)
+            self.host = ReferenceHashTable(
+                config.row_dim, capacity=config.capacity, max_capacity=config.max_capacity,
+                bucket_size=config.bucket_size, max_load_factor=config.max_load_factor,
+                evict=config.eviction != "none", pin_memory=self.device.type == "cuda",
+            )
         # counts of ids not yet admitted, kept as the counter table's scores
         self.counters = (
             make_table(config, self.device, row_dim=1, capacity=config.admission_capacity)
@@ -182,24 +203,82 @@ class DynamicEmbedding:
             kept = uniq if keep is None else uniq[keep]
             kept_slots, inserted, evicted = self.table.find_or_insert(kept, uscores if keep is None else uscores[keep])
             new = inserted.nonzero().squeeze(1)
+            promoted = 0
             if new.numel():
-                self.table.values[kept_slots[new]] = self.initial_rows(kept[new])
+                rows, promoted = self._new_rows(kept[new])
+                self.table.values[kept_slots[new]] = rows
             stored = kept_slots != MISSING
             n_new = inserted.sum()
-            self._counts += torch.stack([stored.sum() - n_new, n_new, (~stored).sum()])
-            self._stats.evictions += evicted.keys.numel()
+            self._counts += torch.stack([stored.sum() - n_new + promoted, n_new - promoted, (~stored).sum()])
+            self._demote(evicted)
             slots = kept_slots if keep is None else torch.full_like(uniq, MISSING).masked_scatter_(keep, kept_slots)
         else:
             slots = self.table.find(uniq)
             self._counts[0] += (slots != MISSING).sum()
         present = slots != MISSING
         self._stats.lookups += uniq.numel()
-        # gather only the embedding columns; ids without a row get their initial embedding
+        # gather only the embedding columns; ids without a device row: their host row or
+        # their initial embedding
         emb = self.table.values[:, : self.dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
         missing = (~present).nonzero().squeeze(1)
         if missing.numel():
-            emb[missing] = self.initial_rows(uniq[missing])[:, : self.dim]
+            emb[missing] = self._rows_elsewhere(uniq[missing])[:, : self.dim]
         return emb[inverse]
+
+    def _rows_elsewhere(self, keys: torch.Tensor) -> torch.Tensor:
+        """Rows of keys not on the device: from the host tier where stored there (left in
+        place), else their initial rows."""
+        rows = self.initial_rows(keys)
+        if self.host is not None:
+            slots = self.host.find(keys.cpu())
+            found = slots != MISSING
+            rows[found.to(rows.device)] = self.host.values[slots[found]].to(rows.device)
+        return rows
+
+    def _new_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rows for keys that just got a device slot: promoted from the host tier (and
+        removed there) where stored, else initial. Returns (rows, promoted count)."""
+        rows = self.initial_rows(keys)
+        if self.host is None:
+            return rows, 0
+        host_keys = keys.cpu()
+        slots = self.host.find(host_keys)
+        found = slots != MISSING
+        n = int(found.sum())
+        if n:
+            rows[found.to(rows.device)] = self.host.values[slots[found]].to(rows.device, non_blocking=True)
+            self.host.erase(host_keys[found])
+            self._stats.promotions += n
+        return rows, n
+
+    def _demote(self, evicted) -> None:
+        """Rows the device tier evicted go to the host tier (without one, they are gone)."""
+        n = evicted.keys.numel()
+        if self.host is None or n == 0:
+            self._stats.evictions += n
+            return
+        self._stats.demotions += n
+        lost = self.host.insert_or_assign(evicted.keys.cpu(), evicted.rows.cpu(), evicted.scores.cpu())
+        self._stats.evictions += lost.keys.numel()
+
+    def prefetch(self, ids: torch.Tensor) -> int:
+        """Moves the host rows of ids (the next batch's) to the device ahead of their lookup;
+        returns how many moved. Scores are kept. A no-op without a host tier."""
+        if self.host is None or ids.numel() == 0:
+            return 0
+        uniq = torch.unique(ids.cpu())
+        host_slots = self.host.find(uniq)
+        keys = uniq[host_slots != MISSING]
+        if keys.numel() == 0:
+            return 0
+        scores = self.host.scores[self.host.find(keys)]
+        dev_keys = keys.to(self.device)
+        slots, inserted, evicted = self.table.find_or_insert(dev_keys, scores.to(self.device))
+        moved = inserted.nonzero().squeeze(1)
+        rows, n = self._new_rows(dev_keys[moved])
+        self.table.values[slots[moved]] = rows
+        self._demote(evicted)
+        return n
 
     def _scores(self, uniq, counts, inverse, given) -> torch.Tensor:
         policy = self.config.eviction
@@ -242,7 +321,9 @@ class DynamicEmbedding:
         if ids.numel() == 0:
             return
         uniq, summed, _ = sum_by_key(ids, grads.to(self.device, torch.float32), self.table.deterministic)
-        slots = self.table.find(uniq)  # MISSING for rejected ids: they have no row
+        slots = self.table.find(uniq)  # MISSING for ids without a device row
+        if self.host is not None:
+            self._update_host_rows(uniq, summed, slots == MISSING)
         if self._fused:
             fused_update(self.config.optimizer, self.table.values, slots, summed, self.dim)
             return
@@ -252,21 +333,41 @@ class DynamicEmbedding:
             self.config.optimizer, self.table.values[slots], summed[present], self.dim
         ).to(self.table.dtype)
 
+    def _update_host_rows(self, uniq, summed, off_device) -> None:
+        """Rows that stayed in the host tier (their device bucket was full) train there."""
+        idx = off_device.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return
+        slots = self.host.find(uniq[idx].cpu())
+        found = slots != MISSING
+        slots = slots[found]
+        grads = summed[idx][found.to(summed.device)].cpu()
+        self.host.values[slots] = optimizers.update(self.config.optimizer, self.host.values[slots], grads, self.dim)
+
     def stats(self) -> TableStats:
         s = TableStats(**asdict(self._stats))
         s.hits, s.inserts, s.rejections = self._counts.tolist()
         s.size, s.capacity = self.table.size(), self.table.capacity
+        s.bytes_device = self.table.capacity * self.config.bytes_per_row(self.table.dtype)
+        if self.host is not None:
+            s.size += self.host.size()
+            s.capacity += self.host.capacity
+            s.bytes_host = self.host.capacity * self.config.bytes_per_row(self.host.dtype)
         return s
 
     # ---- rows in and out (dump/load) ------------------------------------------------------
     def export_rows(self, min_score: int | None = None):
-        """(keys, embeddings, optimizer_state, scores) of stored rows."""
+        """(keys, embeddings, optimizer_state, scores) of stored rows, both tiers (on the
+        host when tiered)."""
         keys, rows, scores = self.table.export(min_score)
+        if self.host is not None:
+            host = self.host.export(min_score)
+            keys, rows, scores = (torch.cat([a.cpu(), b]) for a, b in zip((keys, rows, scores), host))
         return keys, rows[:, : self.dim], rows[:, self.dim :], scores
 
     def import_rows(self, keys, embeddings, state, scores) -> None:
         rows = torch.cat([embeddings.to(self.device, torch.float32), state.to(self.device, torch.float32)], 1)
-        self.table.insert_or_assign(keys.to(self.device), rows, scores.to(self.device))
+        self._demote(self.table.insert_or_assign(keys.to(self.device), rows, scores.to(self.device)))
 
 
 class ShardedDynamicEmbedding:

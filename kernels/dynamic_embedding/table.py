@@ -92,6 +92,7 @@ class ReferenceHashTable:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         evict: bool = True,
+        pin_memory: bool = False,
     ):
         if bucket_size <= 0 or row_dim <= 0:
             raise ValueError("bucket_size and row_dim must be positive")
@@ -99,6 +100,7 @@ class ReferenceHashTable:
         self.bucket_size = bucket_size
         self.max_load_factor = max_load_factor
         self.evict = evict
+        self.pin_memory = pin_memory  # host tables: page-locked, for fast copies to a GPU
         self.dtype = dtype
         self.device = torch.device(device)
         # power-of-two bucket counts: doubling splits each bucket in two, so a re-hash
@@ -115,6 +117,8 @@ class ReferenceHashTable:
         self.keys = torch.full((cap,), EMPTY_KEY, dtype=torch.int64, device=self.device)
         self.scores = torch.zeros(cap, dtype=torch.int64, device=self.device)
         self.values = torch.zeros(cap, self.row_dim, dtype=self.dtype, device=self.device)
+        if self.pin_memory:
+            self.values = self.values.pin_memory()
 
     @property
     def capacity(self) -> int:
