@@ -11,7 +11,6 @@ memory; tier "host": 10% of the rows on the GPU, the rest in pinned host memory,
 batch's rows prefetched inside each timed iteration.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_path import result_path  # noqa: E402
+from benchmarks.results_path import write_results  # noqa: E402
 
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, OptimizerConfig  # noqa: E402
 
@@ -85,11 +84,7 @@ def main() -> None:
     print(f"{'optimizer':<10}{'tier':<6}{'mean':>8}{'median':>8}   published (H100)")
     for r in rows:
         print(f"{r['optimizer']:<10}{r['tier']:<6}{r['ms_mean']:>8.2f}{r['ms_median']:>8.2f}   {r['published_ms']}")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    out = Path(args.out) if args.out else result_path("embedding_training")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results("embedding_training", rows, args.out)
 
 
 if __name__ == "__main__":

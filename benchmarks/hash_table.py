@@ -17,7 +17,6 @@ from the same run: index_select of random rows (a gather with no probe) and sear
 over the sorted stored keys followed by that gather. Times are CUDA-event medians.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_path import result_path  # noqa: E402
+from benchmarks.results_path import write_results  # noqa: E402
 
 from kernels.dynamic_embedding.triton_table import TritonHashTable  # noqa: E402
 
@@ -153,11 +152,7 @@ def main() -> None:
     for r in rows:
         hkv = f"{r['hkv_h100_billion_keys_per_s']:.2f}" if r["hkv_h100_billion_keys_per_s"] else "-"
         print(f"{r['op']:<24}{r['dim']:>5}{r['load_factor']:>6}{r['actual_load_factor']:>8}{r['billion_keys_per_s']:>10.3f}{hkv:>10}")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": BATCH, "bucket_size": 128, "scale": args.scale}
-    out = Path(args.out) if args.out else result_path("hash_table")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results("hash_table", rows, args.out, batch=BATCH, bucket_size=128, scale=args.scale)
 
 
 if __name__ == "__main__":

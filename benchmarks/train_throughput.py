@@ -9,7 +9,6 @@ Synthetic ML-1M-like data (seeded), one process, the real LightningModule and Tr
 Prints a table and writes JSON to benchmarks/results/.
 """
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_path import result_path  # noqa: E402
+from benchmarks.results_path import write_results  # noqa: E402
 from lightning_modules.config import PRESETS, preset  # noqa: E402
 from lightning_modules.data import SequenceDataModule  # noqa: E402
 from lightning_modules.datasets import prepare  # noqa: E402
@@ -87,10 +86,7 @@ def main() -> None:
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}")
     for r in rows:
         print(f"{r['device_name'][:27]:<28}{r['preset']:<12}{r['batch_size']:>6}{r['samples_per_s']:>12.1f}{r['positions_per_s']:>14.0f}{r['ms_per_step']:>10.1f}")
-    out = Path(args.out) if args.out else result_path("train_throughput", args.device)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
-    print(f"\nwrote {out}")
+    write_results("train_throughput", rows, args.out, device=args.device)
 
 
 if __name__ == "__main__":
