@@ -133,8 +133,6 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
             "capacity": table.capacity, "keys": keys, "seconds": seconds, "billion_keys_per_s": keys / seconds / 1e9,
             "hkv_h100_billion_keys_per_s": hkv[0 if load_factor == 0.5 else 1] if hkv else None,
         })
-    del table
-    torch.cuda.empty_cache()
     return rows_out
 
 
@@ -146,7 +144,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hash_table_<gpu>.json)")
     args = p.parse_args()
-    rows = [r for d in args.dims for lf in args.load_factors for r in run(d, lf, args.scale, args.reps)]
+    rows = []
+    for d in args.dims:
+        for lf in args.load_factors:
+            rows += run(d, lf, args.scale, args.reps)
+            torch.cuda.empty_cache()  # the finished run's table is gone: give its memory back
     print(f"\n{torch.cuda.get_device_name()}, batch {BATCH} keys, billions of keys/s")
     print(f"{'op':<24}{'dim':>5}{'λ':>6}{'λ real':>8}{'B keys/s':>10}{'HKV H100':>10}")
     for r in rows:

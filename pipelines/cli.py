@@ -1,6 +1,5 @@
 """The `hstu` command line."""
 import argparse
-import json
 import sys
 from pathlib import Path
 

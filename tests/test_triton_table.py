@@ -93,14 +93,16 @@ def test_triton_table_matches_reference(max_capacity, sequence):
     ref, tri = ReferenceHashTable(**kw), TritonHashTable(**kw)
     for i, (op, n, seed) in enumerate(sequence):
         keys, rows, scores = batch(n * SCALE, seed, 3, key_range=40 * SCALE)
-        note = f"op {i}: {op}"  # noqa: F841 (pytest shows locals of a failing test)
-        if op == "find_values":  # the fused kernel against the reference's find + gather
-            out = torch.zeros(len(keys), 2, device=keys.device)
-            assert_same(apply(ref, op, keys, rows, scores), (tri.find_values(keys, out), out))
-        else:
-            assert_same(apply(ref, op, keys, rows, scores), apply(tri, op, keys, rows, scores))
-        assert_same_state(ref, tri)
-        assert ref.size() == tri.size() and ref.load_factor() == tri.load_factor()
+        try:
+            if op == "find_values":  # the fused kernel against the reference's find + gather
+                out = torch.zeros(len(keys), 2, device=keys.device)
+                assert_same(apply(ref, op, keys, rows, scores), (tri.find_values(keys, out), out))
+            else:
+                assert_same(apply(ref, op, keys, rows, scores), apply(tri, op, keys, rows, scores))
+            assert_same_state(ref, tri)
+            assert ref.size() == tri.size() and ref.load_factor() == tri.load_factor()
+        except AssertionError as e:
+            raise AssertionError(f"after op {i} ({op} of {n * SCALE} keys): {e}") from None
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad", "rowwise_adagrad"])
