@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import optimizers
 from .hashing import shard_of, uniform_from_keys
 from .optimizers import OptimizerConfig
-from .table import MISSING, ReferenceHashTable, sum_by_key
+from .table import MISSING, ReferenceHashTable, highest_per_key, sum_by_key
 from .triton_optimizers import fused_update
 
 # score of a row: lru = step of last use; lfu = uses so far; epoch_lru / epoch_lfu = epoch in
@@ -285,8 +285,7 @@ class DynamicEmbedding:
         if policy == "custom":
             if given is None:
                 raise ValueError("the custom eviction policy needs scores in lookup()")
-            out = torch.full_like(uniq, torch.iinfo(torch.int64).min)
-            return out.scatter_reduce_(0, inverse, given.to(self.device, torch.int64), "amax")
+            return highest_per_key(uniq.numel(), inverse, given)
         epoch = self.epoch << 32
         if policy in ("lru", "none"):
             return torch.full_like(uniq, self.step)

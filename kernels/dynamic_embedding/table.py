@@ -26,6 +26,12 @@ from .hashing import EMPTY_KEY, bucket_of
 MISSING = -1  # slot index returned for a key that is not stored
 
 
+def highest_per_key(n_keys: int, inverse: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """(n_keys,) int64: the highest of the scores whose inverse index names each key."""
+    out = torch.full((n_keys,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=inverse.device)
+    return out.scatter_reduce_(0, inverse, scores.to(inverse.device, torch.int64), "amax")
+
+
 def sum_by_key(
     keys: torch.Tensor, rows: torch.Tensor, deterministic: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,14 +175,12 @@ class ReferenceHashTable:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return empty, empty.bool(), evicted
         uniq, inverse = torch.unique(keys, return_inverse=True)  # ascending keys
-        # a duplicate key takes the highest score any of its copies asked for
-        uscores = torch.full_like(uniq, torch.iinfo(torch.int64).min)
-        uscores.scatter_reduce_(0, inverse, scores.to(self.device, torch.int64), "amax")
+        uscores = highest_per_key(uniq.numel(), inverse, scores)  # a duplicate key's highest
         slots = self.find(uniq)
         missing = slots == MISSING
         new_keys = uniq[missing]
         if new_keys.numel():
-            self._make_room(int(self.size()) + new_keys.numel())
+            self._make_room(new_keys.numel())
             evicted = self._place(new_keys, uscores[missing], used_keys=uniq[~missing])
             slots = self.find(uniq)  # growth may have moved rows; losers stay MISSING
         found = slots != MISSING
@@ -240,9 +244,7 @@ class ReferenceHashTable:
         if keys.numel() == 0:
             return Evicted.empty(self.row_dim, self.dtype, self.device)
         uniq, summed, inverse = sum_by_key(keys, deltas.to(self.device, self.dtype), self.deterministic)
-        uscores = torch.full_like(uniq, torch.iinfo(torch.int64).min)
-        uscores.scatter_reduce_(0, inverse, scores.to(self.device, torch.int64), "amax")
-        slots, inserted, evicted = self.find_or_insert(uniq, uscores)
+        slots, inserted, evicted = self.find_or_insert(uniq, highest_per_key(uniq.numel(), inverse, scores))
         ok = slots != MISSING
         self.values[slots[inserted]] = summed[inserted]
         old = ok & ~inserted
@@ -269,11 +271,13 @@ class ReferenceHashTable:
         return self.keys[keep], self.values[keep], self.scores[keep]
 
     # ---- placement -----------------------------------------------------------------------
-    def _make_room(self, target_size: int) -> None:
-        while (
-            target_size > self.max_load_factor * self.capacity
-            and self.num_buckets < self.max_num_buckets
-        ):
+    def _make_room(self, new_rows: int) -> None:
+        """Grows until new_rows more rows keep the load factor; counting the stored rows
+        (a pass over every key) only while the table can still grow."""
+        if self.num_buckets >= self.max_num_buckets:
+            return
+        target = self.size() + new_rows
+        while target > self.max_load_factor * self.capacity and self.num_buckets < self.max_num_buckets:
             self._grow()
 
     def _grow(self) -> None:
@@ -289,13 +293,7 @@ class ReferenceHashTable:
         """Puts sorted, unique, absent keys into free slots of their buckets, growing the
         table or evicting where a bucket is full. Rows of `used_keys` are never evicted."""
         S = self.bucket_size
-        buckets = bucket_of(new_keys, self.num_buckets)
-        buckets, order = torch.sort(buckets, stable=True)  # keys stay ascending per bucket
-        keys_sorted, scores_sorted = new_keys[order], new_scores[order]
-        _, counts = torch.unique_consecutive(buckets, return_counts=True)
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(buckets.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
-
+        buckets, keys_sorted, scores_sorted, rank = self._by_bucket(new_keys, new_scores)
         bucket_keys = self.keys.view(self.num_buckets, S)[buckets]  # (M, S)
         free = bucket_keys == EMPTY_KEY
         n_free = free.sum(1)
@@ -320,6 +318,15 @@ class ReferenceHashTable:
         self.keys[slots_sorted[ok]] = keys_sorted[ok]
         self.scores[slots_sorted[ok]] = scores_sorted[ok]
         return evicted
+
+    def _by_bucket(self, keys: torch.Tensor, scores: torch.Tensor):
+        """(buckets, keys, scores, rank) sorted by bucket, keys ascending within a bucket
+        (they come in ascending), rank = position among the bucket's new keys."""
+        buckets, order = torch.sort(bucket_of(keys, self.num_buckets), stable=True)
+        _, counts = torch.unique_consecutive(buckets, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(buckets.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
+        return buckets, keys[order].contiguous(), scores[order].contiguous(), rank
 
     def _evict(
         self, buckets: torch.Tensor, nth: torch.Tensor, scores: torch.Tensor, used_keys: torch.Tensor

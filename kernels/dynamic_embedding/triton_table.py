@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hashing import bucket_of
-from .table import MISSING, Evicted, ReferenceHashTable
+from .table import MISSING, Evicted, ReferenceHashTable, highest_per_key
 
 @triton.jit
 def _hash(k):
@@ -295,8 +294,7 @@ class TritonHashTable(ReferenceHashTable):
             # does not use, for the distinct keys that found no room
             lanes = full.nonzero().squeeze(1)
             uniq, inverse = torch.unique(keys[lanes], return_inverse=True)
-            uscores = torch.full_like(uniq, torch.iinfo(torch.int64).min).scatter_reduce_(0, inverse, scores[lanes], "amax")
-            evicted = self._place(uniq, uscores, used_keys=keys[~full])
+            evicted = self._place(uniq, highest_per_key(uniq.numel(), inverse, scores[lanes]), used_keys=keys[~full])
             placed = self._probe(uniq)
             slots[lanes] = placed[inverse]
             first = torch.full_like(uniq, n).scatter_reduce_(0, inverse, lanes, "amin")  # one copy reports the insert
@@ -365,13 +363,7 @@ class TritonHashTable(ReferenceHashTable):
 
     def _place(self, new_keys: torch.Tensor, new_scores: torch.Tensor, used_keys: torch.Tensor) -> Evicted:
         S = self.bucket_size
-        buckets = bucket_of(new_keys, self.num_buckets)
-        buckets, order = torch.sort(buckets, stable=True)
-        keys_sorted = new_keys[order].contiguous()
-        scores_sorted = new_scores[order].contiguous()
-        _, counts = torch.unique_consecutive(buckets, return_counts=True)
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(buckets.numel(), device=self.device) - torch.repeat_interleave(starts, counts)
+        buckets, keys_sorted, scores_sorted, rank = self._by_bucket(new_keys, new_scores)
         at_max = self.num_buckets >= self.max_num_buckets
         if not at_max:  # grow instead of evicting when any bucket lacks room
             free = (self.digests.view(self.num_buckets, S)[buckets] == 0).sum(1)
