@@ -205,7 +205,7 @@ class DynamicEmbedding:
             new = inserted.nonzero().squeeze(1)
             promoted = 0
             if new.numel():
-                rows, promoted = self._new_rows(kept[new])
+                rows, promoted = self._rows_off_device(kept[new], take=True)
                 self.table.values[kept_slots[new]] = rows
             stored = kept_slots != MISSING
             n_new = inserted.sum()
@@ -222,22 +222,13 @@ class DynamicEmbedding:
         emb = self.table.values[:, : self.dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
         missing = (~present).nonzero().squeeze(1)
         if missing.numel():
-            emb[missing] = self._rows_elsewhere(uniq[missing])[:, : self.dim]
+            emb[missing] = self._rows_off_device(uniq[missing], take=False)[0][:, : self.dim]
         return emb[inverse]
 
-    def _rows_elsewhere(self, keys: torch.Tensor) -> torch.Tensor:
-        """Rows of keys not on the device: from the host tier where stored there (left in
-        place), else their initial rows."""
-        rows = self.initial_rows(keys)
-        if self.host is not None:
-            slots = self.host.find(keys.cpu())
-            found = slots != MISSING
-            rows[found.to(rows.device)] = self.host.values[slots[found]].to(rows.device)
-        return rows
-
-    def _new_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Rows for keys that just got a device slot: promoted from the host tier (and
-        removed there) where stored, else initial. Returns (rows, promoted count)."""
+    def _rows_off_device(self, keys: torch.Tensor, take: bool) -> tuple[torch.Tensor, int]:
+        """Rows for keys without a device row: their host row where the host tier stores
+        one, else their initial row. take: the host rows move (they are removed there and
+        counted as promotions). Returns (rows, how many came from the host)."""
         rows = self.initial_rows(keys)
         if self.host is None:
             return rows, 0
@@ -247,8 +238,9 @@ class DynamicEmbedding:
         n = int(found.sum())
         if n:
             rows[found.to(rows.device)] = self.host.values[slots[found]].to(rows.device, non_blocking=True)
-            self.host.erase(host_keys[found])
-            self._stats.promotions += n
+            if take:
+                self.host.erase(host_keys[found])
+                self._stats.promotions += n
         return rows, n
 
     def _demote(self, evicted) -> None:
@@ -268,14 +260,13 @@ class DynamicEmbedding:
             return 0
         uniq = torch.unique(ids.cpu())
         host_slots = self.host.find(uniq)
-        keys = uniq[host_slots != MISSING]
-        if keys.numel() == 0:
+        found = host_slots != MISSING
+        if not bool(found.any()):
             return 0
-        scores = self.host.scores[self.host.find(keys)]
-        dev_keys = keys.to(self.device)
-        slots, inserted, evicted = self.table.find_or_insert(dev_keys, scores.to(self.device))
+        dev_keys = uniq[found].to(self.device)
+        slots, inserted, evicted = self.table.find_or_insert(dev_keys, self.host.scores[host_slots[found]].to(self.device))
         moved = inserted.nonzero().squeeze(1)
-        rows, n = self._new_rows(dev_keys[moved])
+        rows, n = self._rows_off_device(dev_keys[moved], take=True)
         self.table.values[slots[moved]] = rows
         self._demote(evicted)
         return n
