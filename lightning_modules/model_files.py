@@ -12,22 +12,16 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from kernels.dynamic_embedding import DumpError, ShardedDynamicEmbedding, dump, load, read_manifest
-from kernels.dynamic_embedding.dump import read_format_json, sha256_of, write_json_atomic
+from kernels.dynamic_embedding.dump import barrier, read_format_json, sha256_of, write_json_atomic
 
 from .config import HSTUConfig
 from .hstu import HSTU
 
 FORMAT = "hstu-model"
 VERSION = 1
-
-
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()
 
 
 def save(path: str | Path, model: HSTU, table: ShardedDynamicEmbedding, metadata: dict | None = None) -> Path:
@@ -38,7 +32,7 @@ def save(path: str | Path, model: HSTU, table: ShardedDynamicEmbedding, metadata
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier(world)
+    barrier(world, table.group)
     dump(table, tmp / "embeddings", metadata=metadata)
     if rank == 0:
         dense = tmp / "dense.safetensors"
@@ -56,7 +50,7 @@ def save(path: str | Path, model: HSTU, table: ShardedDynamicEmbedding, metadata
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-    _barrier(world)
+    barrier(world, table.group)
     return path
 
 

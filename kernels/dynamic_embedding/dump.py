@@ -40,7 +40,7 @@ class DumpError(RuntimeError):
     """A dump that is missing, partial, corrupt or does not fit the table."""
 
 
-def _barrier(world_size: int, group) -> None:
+def barrier(world_size: int, group) -> None:
     if world_size > 1:
         dist.barrier(group=group)
 
@@ -93,59 +93,63 @@ def dump(
             raise DumpError(f"{path}: already exists (pass replace=True to overwrite)")
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed dump
         tmp.mkdir(parents=True)
-    _barrier(world, group)
+    barrier(world, group)
 
-    keys, emb, state, scores = table.local.export_rows(min_score)
-    shard = tmp / shard_name(rank, world)
-    tensors = dict(zip(_TENSORS, (keys, emb, state, scores)))
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, shard)
-    _fsync(shard)
-    _barrier(world, group)
-
+    _write_shard(tmp, rank, world, table.local.export_rows(min_score))
+    barrier(world, group)
     if rank == 0:
-        shards = []
-        for r in range(world):
-            f = tmp / shard_name(r, world)
-            shards.append({"file": f.name, "bytes": f.stat().st_size, "sha256": sha256_of(f)})
-        rows = _gather_counts(keys.numel(), world, group, table.local.device)
-        for s, n in zip(shards, rows):
-            s["rows"] = n
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "kind": "full" if min_score is None else "incremental",
-            "min_score": min_score,
-            "step": table.step,
-            "world_size": world,
-            "total_rows": sum(rows),
-            "config": table.config.to_dict(),
-            "metadata": metadata or {},
-            "shards": shards,
-        }
-        write_json_atomic(tmp / MANIFEST, manifest)
-        _fsync(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-        _fsync(path.parent)
-    else:
-        _gather_counts(keys.numel(), world, group, table.local.device)
-    _barrier(world, group)
+        _commit(tmp, path, world, table.step, table.config.to_dict(), min_score, metadata, replace)
+    barrier(world, group)
     return path
 
 
-def _gather_counts(n: int, world: int, group, device) -> list[int]:
-    if world == 1:
-        return [n]
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t, group=group)
-    return [int(x) for x in out]
+def _write_shard(directory: Path, rank: int, world: int, rows: tuple) -> None:
+    """One rank's shard, fsynced, and beside it its completion record (bytes, sha256, rows)."""
+    shard = directory / shard_name(rank, world)
+    save_file({k: v.detach().contiguous().cpu() for k, v in zip(_TENSORS, rows)}, shard)
+    _fsync(shard)
+    record = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": sha256_of(shard), "rows": len(rows[0])}
+    write_json_atomic(_record_path(directory, rank, world), record)
+
+
+def _record_path(directory: Path, rank: int, world: int) -> Path:
+    return directory / f"{shard_name(rank, world)}.done"
+
+
+def _commit(
+    directory: Path, path: Path, world: int, step: int, config: dict, min_score, metadata, replace: bool = False
+) -> None:
+    """Rank 0, once every rank's record is there: the manifest written last, then the
+    directory renamed into place (swapping out an existing dump only with replace)."""
+    records = [_record_path(directory, r, world) for r in range(world)]
+    shards = [json.loads(r.read_text()) for r in records]
+    for r in records:
+        r.unlink()
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "full" if min_score is None else "incremental",
+        "min_score": min_score,
+        "step": step,
+        "world_size": world,
+        "total_rows": sum(s["rows"] for s in shards),
+        "config": config,
+        "metadata": metadata or {},
+        "shards": shards,
+    }
+    write_json_atomic(directory / MANIFEST, manifest)
+    _fsync(directory)
+    if path.exists():
+        if not replace:
+            raise DumpError(f"{path}: already exists")
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(directory, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(directory, path)
+    _fsync(path.parent)
 
 
 def read_format_json(path: Path, fmt: str, version: int, missing: str) -> dict:
@@ -269,39 +273,21 @@ def dump_async(
     if world > 1:
         dist.broadcast(token, src=0, group=group)
     tmp = path.with_name(f".{path.name}.partial-{int(token)}")
-    keys, emb, state, scores = table.local.export_rows(min_score)
-    snapshot = dict(zip(_TENSORS, (keys, emb, state, scores)))
-    header = {"step": table.step, "config": table.config.to_dict()}
+    snapshot = table.local.export_rows(min_score)  # a copy: training may go on
+    step, config = table.step, table.config.to_dict()
     pending = PendingDump(path)
 
     def write() -> None:
         tmp.mkdir(parents=True, exist_ok=True)
-        shard = tmp / shard_name(rank, world)
-        save_file({k: v.detach().contiguous().cpu() for k, v in snapshot.items()}, shard)
-        _fsync(shard)
-        record = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": sha256_of(shard), "rows": len(snapshot["keys"])}
-        write_json_atomic(tmp / f"{shard.name}.done", record)
+        _write_shard(tmp, rank, world, snapshot)
         if rank != 0:
             return
         deadline = time.monotonic() + commit_timeout_s
-        records = [tmp / f"{shard_name(r, world)}.done" for r in range(world)]
-        while not all(r.is_file() for r in records):
+        while not all(_record_path(tmp, r, world).is_file() for r in range(world)):
             if time.monotonic() > deadline:
                 raise DumpError(f"{tmp}: not every rank finished its shard in {commit_timeout_s} s")
             time.sleep(0.05)
-        shards = [json.loads(r.read_text()) for r in records]
-        manifest = {
-            "format": FORMAT, "version": VERSION, "kind": "full" if min_score is None else "incremental",
-            "min_score": min_score, "step": header["step"], "world_size": world,
-            "total_rows": sum(s["rows"] for s in shards), "config": header["config"],
-            "metadata": metadata or {}, "shards": shards,
-        }
-        for r in records:
-            r.unlink()
-        write_json_atomic(tmp / MANIFEST, manifest)
-        _fsync(tmp)
-        os.replace(tmp, path)
-        _fsync(path.parent)
+        _commit(tmp, path, world, step, config, min_score, metadata)
 
     pending._run(write)
     return pending
