@@ -180,3 +180,17 @@ def test_non_blocking_dump_reports_failure(tmp_path):
     pending = dump_async(table, tmp_path / "blocked" / "d")
     with pytest.raises(DumpError, match="background dump failed"):
         pending.wait(timeout=30)
+
+
+def _dump_twice(rank, world, path):
+    table = ShardedDynamicEmbedding(CONFIG)
+    table.lookup(ALL_IDS[:10])
+    dump(table, path)
+    with pytest.raises(DumpError, match="exists"):
+        dump(table, path)  # every rank refuses: none is left waiting at a barrier
+    dump(table, path, replace=True)
+
+
+def test_existing_dump_is_refused_on_every_rank(tmp_path):
+    run_distributed(2, _dump_twice, tmp_path / "d")
+    assert read_manifest(tmp_path / "d")["world_size"] == 2

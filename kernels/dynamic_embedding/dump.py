@@ -88,9 +88,9 @@ def dump(
     path = Path(path)
     world, rank, group = table.world_size, table.rank, table.group
     tmp = path.with_name(f".{path.name}.partial")
+    if path.exists() and not replace:  # every rank checks: one raising alone would hang the rest
+        raise DumpError(f"{path}: already exists (pass replace=True to overwrite)")
     if rank == 0:
-        if path.exists() and not replace:
-            raise DumpError(f"{path}: already exists (pass replace=True to overwrite)")
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed dump
         tmp.mkdir(parents=True)
     barrier(world, group)
