@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, ReferenceHashTable
 from kernels.dynamic_embedding.triton_table import TritonHashTable
+from kernels.dynamic_embedding.hashing import bucket_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 64 if DEVICE == "cuda" else 1  # batch sizes on a GPU
@@ -178,6 +179,12 @@ def test_fast_mode_keeps_the_tables_promises(max_capacity, batches):
         assert len(new_reported) == len(set(new_reported)) and not set(new_reported) & before
         assert not set(evicted.keys.tolist()) & set(keys.tolist())
         assert set(evicted.keys.tolist()) <= before
+        # scores rise with the step, so a new key goes unstored only where every row of
+        # its bucket is used by this call
+        call = set(keys.tolist())
+        for key in keys[~stored].tolist():
+            bucket = int(bucket_of(torch.tensor([key]), fast.num_buckets))
+            assert set(fast.keys.view(fast.num_buckets, -1)[bucket].tolist()) <= call
         if max_capacity > 64:
             assert bool(stored.all())
             assert set(table_keys) == set(ref.export()[0].tolist())
