@@ -116,6 +116,10 @@ class EmbeddingConfig:
         return EmbeddingConfig(**d)
 
 
+# statistics a DynamicEmbedding counts on the device
+COUNTED = ("lookups", "hits", "inserts", "rejections", "evictions")
+
+
 @dataclass
 class TableStats:
     size: int = 0
@@ -172,8 +176,8 @@ class DynamicEmbedding:
         self.step = 0  # number of updates applied; the LRU clock
         self.epoch = 0  # the epoch_* policies' high bits; set by the training loop
         self._stats = TableStats()
-        # hits, inserts, rejections: counted on the device, so lookups never wait for it
-        self._counts = torch.zeros(3, dtype=torch.int64, device=self.device)
+        # counted on the device, so lookups never wait for it (order: COUNTED)
+        self._counts = torch.zeros(len(COUNTED), dtype=torch.int64, device=self.device)
         self._fused = type(self.table) is not ReferenceHashTable  # Triton: fused update kernel
 
     @property
@@ -209,14 +213,14 @@ class DynamicEmbedding:
                 self.table.values[kept_slots[new]] = rows
             stored = kept_slots != MISSING
             n_new = inserted.sum()
-            self._counts += torch.stack([stored.sum() - n_new + promoted, n_new - promoted, (~stored).sum()])
+            self._counts[1:4] += torch.stack([stored.sum() - n_new + promoted, n_new - promoted, (~stored).sum()])
             self._demote(evicted)
             slots = kept_slots if keep is None else torch.full_like(uniq, MISSING).masked_scatter_(keep, kept_slots)
         else:
             slots = self.table.find(uniq)
-            self._counts[0] += (slots != MISSING).sum()
+            self._counts[1] += (slots != MISSING).sum()
         present = slots != MISSING
-        self._stats.lookups += uniq.numel()
+        self._counts[0] += uniq.numel()
         # gather only the embedding columns; ids without a device row: their host row or
         # their initial embedding
         emb = self.table.values[:, : self.dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
@@ -247,11 +251,11 @@ class DynamicEmbedding:
         """Rows the device tier evicted go to the host tier (without one, they are gone)."""
         n = evicted.keys.numel()
         if self.host is None or n == 0:
-            self._stats.evictions += n
+            self._counts[4] += n
             return
         self._stats.demotions += n
         lost = self.host.insert_or_assign(evicted.keys.cpu(), evicted.rows.cpu(), evicted.scores.cpu())
-        self._stats.evictions += lost.keys.numel()
+        self._counts[4] += lost.keys.numel()
 
     def prefetch(self, ids: torch.Tensor) -> int:
         """Moves the host rows of ids (the next batch's) to the device ahead of their lookup;
@@ -336,7 +340,8 @@ class DynamicEmbedding:
 
     def stats(self) -> TableStats:
         s = TableStats(**asdict(self._stats))
-        s.hits, s.inserts, s.rejections = self._counts.tolist()
+        for name, value in zip(COUNTED, self._counts.tolist()):
+            setattr(s, name, value)
         s.size, s.capacity = self.table.size(), self.table.capacity
         s.bytes_device = self.table.capacity * self.config.bytes_per_row(self.table.dtype)
         if self.host is not None:

@@ -35,7 +35,8 @@ def _digest(h):
 
 # A table descriptor: int64 words that let one kernel address any of several tables (the
 # tables of a collection): storage addresses, bucket mask and insertion mode
-_KEYS, _DIGESTS, _SCORES, _VALUES, _PROTECTED, _LOCKS, _MASK, _MODE = range(8)
+# (kernels may only read module globals that are constexpr)
+_KEYS, _DIGESTS, _SCORES, _VALUES, _PROTECTED, _LOCKS, _MASK, _MODE = (tl.constexpr(i) for i in range(8))
 DESCRIPTOR_WORDS = 8
 # insertion modes: a key whose bucket has no empty slot is refused (slot -1) under KEEP,
 # reported as slot -2 under GROW (the caller grows the table), evicts under EVICT
@@ -205,8 +206,8 @@ def _claim_kernel(
         t = tl.zeros([BLOCK], dtype=tl.int64)
     slot = tl.load(slot_ptr + offs, mask=live, other=0)
     mode = _field(desc_ptr, t, _MODE)
-    active = live & (slot < 0) & (mode != 0)
-    key = tl.load(query_ptr + offs, mask=active, other=0)
+    key = tl.load(query_ptr + offs, mask=live, other=0)
+    active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
     score = tl.load(score_ptr + offs, mask=active, other=0)
     h = _hash(key)
     digest = _digest(h)
@@ -333,13 +334,18 @@ def probe(
     return slots
 
 
-def claim(desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None):
+def claim(
+    desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, row_dim: int = 0,
+):
     """Fast find_or_insert on the tables of `desc`: one probe that raises and protects found
-    rows, then one claim launch for the keys not found. Returns (slots, inserted, evicted,
-    victim_keys, victim_scores), all (N,): an evicted lane's slot still holds its victim's
-    row. Found and inserted rows stay protected until unprotect(desc, slots, tids)."""
+    rows (and copies them into `out`, as probe), then one claim launch for the keys not
+    found. Returns (slots, inserted, evicted, victim_keys, victim_scores, missed), all (N,):
+    an evicted lane's slot still holds its victim's row; missed: not found by the probe.
+    Found and inserted rows stay protected until unprotect(desc, slots, tids)."""
     n = keys.numel()
-    slots = probe(desc, keys, bucket_size, 0, tids, touch=scores)
+    slots = probe(desc, keys, bucket_size, row_dim, tids, out=out, touch=scores)
+    missed = slots < 0
     flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
@@ -347,7 +353,7 @@ def claim(desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_s
             keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1],
             BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None, num_warps=PLACE_WARPS,
         )
-    return slots, flags[0], flags[1], victims[0], victims[1]
+    return slots, flags[0], flags[1], victims[0], victims[1], missed
 
 
 def unprotect(desc: torch.Tensor, slots: torch.Tensor, tids: torch.Tensor | None = None) -> None:
@@ -399,7 +405,7 @@ class TritonHashTable(ReferenceHashTable):
         if mode == self.insert_mode:
             return self._descriptor
         d = self._descriptor.clone()
-        d[_MODE] = mode
+        d[_MODE.value] = mode
         return d
 
     def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor):
@@ -407,7 +413,7 @@ class TritonHashTable(ReferenceHashTable):
             return super().find_or_insert(keys, scores)
         keys = self._check_keys(keys).contiguous()
         scores = scores.to(self.device, torch.int64).contiguous()
-        slots, inserted, evicted, victim_keys, victim_scores = claim(self._descriptor, keys, scores, self.bucket_size)
+        slots, inserted, evicted, victim_keys, victim_scores, _ = claim(self._descriptor, keys, scores, self.bucket_size)
         if self.insert_mode == GROW and keys.numel():
             if bool((slots == -2).any()) or self.size() > self.max_load_factor * self.capacity:
                 self._grow()  # moves every row: look the whole batch up again
@@ -453,8 +459,8 @@ class TritonHashTable(ReferenceHashTable):
         words = [0] * DESCRIPTOR_WORDS
         for i, t in ((_KEYS, self.keys), (_DIGESTS, self.digests), (_SCORES, self.scores), (_VALUES, self.values),
                      (_PROTECTED, self._protected), (_LOCKS, self._locks)):
-            words[i] = t.data_ptr()
-        words[_MASK], words[_MODE] = num_buckets - 1, self.insert_mode
+            words[i.value] = t.data_ptr()
+        words[_MASK.value], words[_MODE.value] = num_buckets - 1, self.insert_mode
         self._descriptor = torch.tensor(words, dtype=torch.int64, device=self.device)
 
     def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,297 @@
+"""Many dynamic embedding tables, one per feature, served and trained together.
+
+    tables = DynamicEmbeddingCollection({"user": EmbeddingConfig(dim=64), "item": EmbeddingConfig(dim=64)}, "cuda")
+    embs = tables.lookup({"user": user_ids, "item": item_ids})      # name -> (N_f, dim)
+    ...loss.backward() through embs (leaves with requires_grad)...
+    tables.apply_gradients({"user": user_ids, ...}, {"user": embs["user"].grad, ...})
+
+Each feature keeps its own DynamicEmbedding: its own capacity, eviction, statistics and
+dumps (`tables["user"]`). Features whose tables are Triton tables in fast mode, with
+float32 rows, the lru / epoch_lru / none policy, no admission counter and no host tier,
+and that share dim, optimizer and bucket size, form a group. A group's lookup is one
+probe, one claim, one initialisation and one gather launch for all its tables, and its
+update one gradient sum and one optimizer launch over the rows the lookup deduplicated
+(by sorting the lanes by row). At max capacity none of this waits for the GPU; below it,
+one check per lookup decides whether a table must grow. Other features are served one by
+one by their DynamicEmbedding, with the same results.
+
+A group differs from its features' own lookups in two ways: the reserved key (int64 min)
+is served its initial embedding and never stored instead of raising, and the gradients
+of an id's copies are summed in another order (the same sum to rounding).
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
+from .hashing import hash64
+from .multi_table_kernels import _gather_kernel, _init_rows_kernel, _segment_sum_kernel, _zero_split_segments_kernel
+from .triton_optimizers import SLOT_BITS, fused_update
+from .triton_table import FIND_BLOCK, FIND_WARPS, GROW, READ_ONLY, TritonHashTable, claim, probe, unprotect
+
+FUSED_POLICIES = ("lru", "epoch_lru", "none")
+SUM_TILE = 16  # sorted lanes per program of the gradient sum
+
+
+def _fusable(emb: DynamicEmbedding) -> bool:
+    t = emb.table
+    return (
+        isinstance(t, TritonHashTable) and not t.deterministic and t.dtype == torch.float32
+        and emb.host is None and emb.counters is None and emb.config.eviction in FUSED_POLICIES
+    )
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the GPU (pinned, async copy)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+@dataclass
+class _Routing:
+    """One lookup's lanes sorted by row, kept for the update of the same ids."""
+
+    ids: tuple  # the id tensors looked up (the update checks it gets the same ones)
+    storage: tuple  # the tables' storage then (growth moves rows)
+    tids: torch.Tensor  # (N,) table of each lane
+    order: torch.Tensor  # (N,) lanes sorted by packed row
+    seg: torch.Tensor  # (N,) segment (distinct row) of each sorted lane
+    count: torch.Tensor  # (1,) number of segments
+    rows: torch.Tensor  # (N,) packed row of each segment (first `count` used); < 0: no row
+
+
+class _Group:
+    """Tables of one row layout, addressed by one stack of descriptors."""
+
+    def __init__(self, names: list[str], members: list[DynamicEmbedding]):
+        self.names, self.members = names, members
+        first = members[0]
+        self.device, self.dim, self.row_dim = first.device, first.dim, first.config.row_dim
+        self.bucket_size, self.optimizer = first.config.bucket_size, first.config.optimizer
+        self._seeds = _to_device([m.config.seed for m in members], torch.int64, self.device)
+        self._scales = _to_device([3**0.5 * m.config.init_std for m in members], torch.float64, self.device)
+        self._inserting = _to_device([not m.config.read_only for m in members], torch.int64, self.device)
+        # members count into rows of one tensor, so one add serves them all
+        self._counts = torch.stack([m._counts for m in members])
+        for i, m in enumerate(members):
+            m._counts = self._counts[i]
+        self._cache: dict = {}
+        self.empty = torch.empty(0, dtype=torch.int64, device=self.device)  # ids of a feature not in a call
+        self.routing: _Routing | None = None
+
+    def _cached(self, name: str, key, make):
+        hit = self._cache.get(name)
+        if hit is None or hit[0] != key:
+            hit = (key, make())
+            self._cache[name] = hit
+        return hit[1]
+
+    def _storage(self) -> tuple:
+        return tuple((m.table.keys.data_ptr(), m.table.num_buckets, m.table.insert_mode) for m in self.members)
+
+    def _descriptors(self) -> torch.Tensor:
+        return self._cached("desc", self._storage(), lambda: torch.stack([
+            m.table.descriptor(READ_ONLY if m.config.read_only else None) for m in self.members
+        ]))
+
+    def _lanes(self, sizes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table of each lane, first lane of each table) for these per-table counts."""
+        def make():
+            starts = [0]
+            for n in sizes[:-1]:
+                starts.append(starts[-1] + n)
+            tids = torch.repeat_interleave(
+                torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes)
+            ).to(self.device)
+            return tids, _to_device(starts, torch.int64, self.device)
+        return self._cached("lanes", sizes, make)
+
+    def _lane_scores(self, tids: torch.Tensor) -> torch.Tensor:
+        def score(m: DynamicEmbedding) -> int:
+            if m.config.read_only:
+                return torch.iinfo(torch.int64).min  # never raises a score
+            if m.config.eviction == "epoch_lru":
+                return (m.epoch << 32) | (m.step & 0xFFFFFFFF)
+            return m.step
+        scores = [score(m) for m in self.members]
+        return self._cached("scores", tuple(scores), lambda: _to_device(scores, torch.int64, self.device))[tids.long()]
+
+    # ---- lookup ---------------------------------------------------------------------------
+    def lookup(self, given: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
+        ids = [x.to(self.device, torch.int64).reshape(-1) for x in given]
+        sizes = tuple(x.numel() for x in ids)
+        n = sum(sizes)
+        out = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
+        if n == 0:
+            return list(out.split(sizes))
+        keys = torch.cat(ids)
+        tids, _ = self._lanes(sizes)
+        if train:
+            slots, inserted, evicted, missed = self._claim(keys, tids, out)
+            grid = (triton.cdiv(n, FIND_BLOCK),)
+            _init_rows_kernel[grid](
+                keys, tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
+                BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.row_dim)), num_warps=FIND_WARPS,
+            )
+        else:
+            slots = probe(self._descriptors(), keys, self.bucket_size, self.row_dim, tids, out=out)
+            missed, inserted, evicted = slots < 0, None, None
+        self._gather(keys, tids, slots, missed, out)
+        if train:
+            unprotect(self._descriptors(), slots, tids)
+        self.routing = self._route(tuple(given), keys, tids, slots)
+        self._count(train, inserted, evicted)
+        return list(out.split(sizes))
+
+    def _claim(self, keys, tids, out):
+        """find_or_insert over every table, growing those that need it (then again)."""
+        desc = self._descriptors()
+        slots, inserted, evicted, _, _, missed = claim(
+            desc, keys, self._lane_scores(tids), self.bucket_size, tids, out=out, row_dim=self.row_dim
+        )
+        growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
+        if not growing:
+            return slots, inserted, evicted, missed
+        full = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
+        full.index_add_(0, tids.long(), (slots == -2).long())
+        full = full.tolist()  # the one wait for the GPU, while some table can still grow
+        grow = [
+            self.members[i].table for i in growing
+            if full[i] or self.members[i].table.size() > self.members[i].table.max_load_factor * self.members[i].table.capacity
+        ]
+        if not grow:
+            return slots, inserted, evicted, missed
+        unprotect(desc, slots, tids)  # before growth frees the old storage
+        for t in grow:
+            t._grow()
+        again, inserted_again, evicted_again, _ = self._claim(keys, tids, out)
+        return again, inserted | inserted_again, evicted | evicted_again, torch.ones_like(missed)
+
+    def _gather(self, keys, tids, slots, todo, out) -> None:
+        n = keys.numel()
+        _gather_kernel[(triton.cdiv(n, FIND_BLOCK),)](
+            keys, tids, slots, todo, n, self._descriptors(), self._seeds, self._scales, out, self.dim, self.row_dim,
+            BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.dim)), num_warps=FIND_WARPS,
+        )
+
+    def _route(self, ids: tuple, keys, tids, slots) -> _Routing:
+        """Sorts the lanes by row: lanes of one row form a segment. Lanes without a row
+        sort first, grouped by (table, key) through a 64-bit hash (for the statistics)."""
+        t64 = tids.long()
+        no_row = hash64(keys ^ (t64 << 56)) | torch.iinfo(torch.int64).min
+        packed = torch.where(slots >= 0, (t64 << SLOT_BITS.value) | slots, no_row)
+        ordered, order = torch.sort(packed, stable=True)
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        seg = torch.cumsum(first, 0) - 1
+        rows = torch.empty_like(ordered).scatter_(0, seg, ordered)
+        return _Routing(ids, self._storage(), tids, order, seg, seg[-1:] + 1, rows)
+
+    def _count(self, train: bool, inserted, evicted) -> None:
+        r = self.routing
+        first = torch.ones_like(r.seg, dtype=torch.bool)
+        first[1:] = r.seg[1:] != r.seg[:-1]
+        has_row = r.rows[r.seg] >= 0
+        sorted_tids = r.tids.long()[r.order]
+        delta = torch.zeros(len(self.members), 5, dtype=torch.int64, device=self.device)
+        delta[:, 0].index_add_(0, sorted_tids, first.long())  # lookups: distinct ids
+        delta[:, 1].index_add_(0, sorted_tids, (first & has_row).long())  # hits, less inserts below
+        if train:
+            delta[:, 2].index_add_(0, r.tids.long(), inserted.long())
+            delta[:, 1] -= delta[:, 2]
+            delta[:, 3].index_add_(0, sorted_tids, (first & ~has_row).long())
+            delta[:, 3] *= self._inserting
+            delta[:, 4].index_add_(0, r.tids.long(), evicted.long())
+        self._counts += delta
+
+    # ---- update ---------------------------------------------------------------------------
+    def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
+        """present[i]: member i takes part (its step advances)."""
+        r = self.routing
+        if r is None or len(r.ids) != len(given) or any(a is not b for a, b in zip(r.ids, given)) or r.storage != self._storage():
+            ids = [x.to(self.device, torch.int64).reshape(-1) for x in given]
+            sizes = tuple(x.numel() for x in ids)
+            keys = torch.cat(ids) if sum(sizes) else torch.empty(0, dtype=torch.int64, device=self.device)
+            tids, _ = self._lanes(sizes)
+            r = self._route(tuple(given), keys, tids, probe(self._descriptors(), keys, self.bucket_size, 0, tids))
+        for m, p in zip(self.members, present):
+            m.step += p
+        n = r.order.numel()
+        if n == 0:
+            return
+        grads = [g.to(self.device, torch.float32).contiguous() for g in grads]
+        _, starts = self._lanes(tuple(x.numel() for x in r.ids))
+        grad_ptrs = _to_device([g.data_ptr() for g in grads], torch.int64, self.device)
+        sums = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
+        tiles, dim_block = triton.cdiv(n, SUM_TILE), triton.next_power_of_2(self.dim)
+        _zero_split_segments_kernel[(tiles,)](r.seg, n, sums, self.dim, TILE=SUM_TILE, DIM=dim_block)
+        _segment_sum_kernel[(tiles,)](r.order, r.seg, r.tids, n, grad_ptrs, starts, sums, self.dim, TILE=SUM_TILE, DIM=dim_block)
+        fused_update(self.optimizer, self.members[0].table.values, r.rows, sums, self.dim, desc=self._descriptors(), count=r.count)
+        self.routing = None
+
+
+class DynamicEmbeddingCollection:
+    """One DynamicEmbedding per feature; features that can share launches do (see above)."""
+
+    def __init__(self, configs: dict[str, EmbeddingConfig], device: torch.device | str = "cpu"):
+        self.tables = {name: DynamicEmbedding(c, device) for name, c in configs.items()}
+        by_layout: dict = {}
+        for name, emb in self.tables.items():
+            if _fusable(emb):
+                c = emb.config
+                by_layout.setdefault((c.dim, c.optimizer, c.bucket_size), []).append(name)
+        self.groups = [_Group(names, [self.tables[n] for n in names]) for names in by_layout.values()]
+        grouped = {n for g in self.groups for n in g.names}
+        self.single = [n for n in self.tables if n not in grouped]  # served one by one
+
+    def __getitem__(self, name: str) -> DynamicEmbedding:
+        return self.tables[name]
+
+    def set_epoch(self, epoch: int) -> None:
+        for emb in self.tables.values():
+            emb.epoch = epoch
+
+    def _check(self, features: dict) -> None:
+        unknown = set(features) - set(self.tables)
+        if unknown:
+            raise KeyError(f"no table for features {sorted(unknown)}; tables: {sorted(self.tables)}")
+
+    def _ids_of(self, group: _Group, ids: dict) -> list[torch.Tensor]:
+        return [ids.get(n, group.empty) for n in group.names]
+
+    def lookup(self, ids: dict[str, torch.Tensor], train: bool = True) -> dict[str, torch.Tensor]:
+        """Embeddings (N_f, dim) for each feature's int64 ids (N_f,), as
+        DynamicEmbedding.lookup does per table."""
+        self._check(ids)
+        out = {}
+        for g in self.groups:
+            if any(n in ids for n in g.names):
+                out.update(zip(g.names, g.lookup(self._ids_of(g, ids), train)))
+        for n in self.single:
+            if n in ids:
+                out[n] = self.tables[n].lookup(ids[n], train)
+        return {n: out[n] for n in ids}
+
+    def apply_gradients(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+        """One optimizer step for every feature in ids (gradients of duplicate ids summed).
+        The update of the ids a training lookup has just served reuses its routing."""
+        self._check(ids)
+        if set(grads) != set(ids):
+            raise KeyError(f"gradients for {sorted(grads)} but ids for {sorted(ids)}")
+        for g in self.groups:
+            if any(n in ids for n in g.names):
+                zeros = torch.empty(0, g.dim, device=g.device)
+                g.apply_gradients(self._ids_of(g, ids), [grads.get(n, zeros) for n in g.names], [n in ids for n in g.names])
+        for n in self.single:
+            if n in ids:
+                self.tables[n].apply_gradients(ids[n], grads[n])
+
+    def stats(self) -> dict[str, TableStats]:
+        return {n: emb.stats() for n, emb in self.tables.items()}
+
+    def metrics(self, prefix: str = "emb_") -> dict[str, float]:
+        """Every table's statistics, keyed <prefix><feature>_<name>."""
+        return {k: v for n, s in self.stats().items() for k, v in s.as_metrics(f"{prefix}{n}_").items()}

@@ -1,0 +1,108 @@
+"""Kernels of a group of tables trained together (see collection.py): initial rows made
+in the kernel, gathers, and the gradient sum over ids sorted by their row.
+
+Rows are addressed as packed (table << SLOT_BITS) | slot; tables through descriptors.
+"""
+import triton
+import triton.language as tl
+
+from .triton_table import _VALUES, _field, _hash
+
+
+@triton.jit
+def _initial_embedding(key, seed, scale, cols):
+    """hashing.uniform_from_keys(key, ., seed) mapped to (-scale, scale), as
+    DynamicEmbedding.initial_rows does in float64, then float32: (BLOCK, len(cols))."""
+    h = _hash(key ^ seed)
+    mixed = _hash((h[:, None] + cols[None, :].to(tl.uint64)).to(tl.int64, bitcast=True))
+    u = ((mixed >> 11) & ((1 << 53) - 1)).to(tl.float64) * (1.0 / (1 << 53))
+    return ((2.0 * u - 1.0) * scale[:, None]).to(tl.float32)
+
+
+@triton.jit
+def _init_rows_kernel(
+    key_ptr, tid_ptr, slot_ptr, inserted_ptr, n, desc_ptr, seed_ptr, scale_ptr, dim, row_dim,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """Rows of keys this call inserted: their initial embedding, optimizer state zero."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = (offs < n) & (tl.load(inserted_ptr + offs, mask=offs < n, other=0) != 0)
+    key = tl.load(key_ptr + offs, mask=live, other=0)
+    t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + offs, mask=live, other=0)
+    row = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_dim
+    seed, scale = tl.load(seed_ptr + t, mask=live, other=0), tl.load(scale_ptr + t, mask=live, other=0.0)
+    for c in range(0, row_dim, DIM_BLOCK):
+        cols = c + tl.arange(0, DIM_BLOCK)
+        value = tl.where(cols[None, :] < dim, _initial_embedding(key, seed, scale, cols), 0.0)
+        tl.store(row[:, None] + cols[None, :], value, mask=live[:, None] & (cols[None, :] < row_dim))
+
+
+@triton.jit
+def _gather_kernel(
+    key_ptr, tid_ptr, slot_ptr, todo_ptr, n, desc_ptr, seed_ptr, scale_ptr, out_ptr, dim, row_dim,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """out[i] = the embedding of key i's row where todo[i]; keys without a row (slot < 0)
+    get their initial embedding."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = (offs < n) & (tl.load(todo_ptr + offs, mask=offs < n, other=0) != 0)
+    key = tl.load(key_ptr + offs, mask=live, other=0)
+    t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + offs, mask=live, other=-1)
+    stored = live & (slot >= 0)
+    row = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_dim
+    seed, scale = tl.load(seed_ptr + t, mask=live, other=0), tl.load(scale_ptr + t, mask=live, other=0.0)
+    for c in range(0, dim, DIM_BLOCK):
+        cols = c + tl.arange(0, DIM_BLOCK)
+        in_dim = cols[None, :] < dim
+        value = tl.load(row[:, None] + cols[None, :], mask=stored[:, None] & in_dim)
+        value = tl.where(stored[:, None], value, _initial_embedding(key, seed, scale, cols))
+        tl.store(out_ptr + offs[:, None].to(tl.int64) * dim + cols[None, :], value, mask=live[:, None] & in_dim)
+
+
+@triton.jit
+def _same_segment(s1, v1, s2, v2):
+    return s2, tl.where(s1 == s2, v1 + v2, v2)
+
+
+@triton.jit
+def _zero_split_segments_kernel(seg_ptr, n, sums_ptr, dim, TILE: tl.constexpr, DIM: tl.constexpr):
+    """Zeroes the sum of each segment that crosses a tile boundary (summed with atomics)."""
+    b = (tl.program_id(0) + 1) * TILE
+    if b < n:
+        s = tl.load(seg_ptr + b)
+        if tl.load(seg_ptr + b - 1) == s:
+            cols = tl.arange(0, DIM)
+            tl.store(sums_ptr + s * dim + cols, tl.zeros([DIM], tl.float32), mask=cols < dim)
+
+
+@triton.jit
+def _segment_sum_kernel(
+    order_ptr, seg_ptr, tid_ptr, n, grad_ptrs_ptr, lane_start_ptr, sums_ptr, dim,
+    TILE: tl.constexpr, DIM: tl.constexpr,
+):
+    """sums[s] = sum of the gradients of the lanes in segment s, lanes taken in sorted
+    order (order[i]: the lane at sorted position i; seg[i]: its segment, non-decreasing).
+    A lane's gradient is row (lane - lane_start[t]) of table t's gradient tensor. A
+    segment inside one tile is summed in registers and stored; a longer one is summed per
+    tile and added atomically (its row was zeroed first)."""
+    start = tl.program_id(0) * TILE
+    i = start + tl.arange(0, TILE)
+    live = i < n
+    lane = tl.load(order_ptr + i, mask=live, other=0)
+    seg = tl.load(seg_ptr + i, mask=live, other=-1)
+    t = tl.load(tid_ptr + lane, mask=live, other=0).to(tl.int64)
+    grads = tl.load(grad_ptrs_ptr + t, mask=live, other=0).to(tl.pointer_type(tl.float32))
+    row = lane - tl.load(lane_start_ptr + t, mask=live, other=0)
+    cols = tl.arange(0, DIM)
+    m = live[:, None] & (cols[None, :] < dim)
+    g = tl.load(grads[:, None] + row[:, None] * dim + cols[None, :], mask=m, other=0.0)
+    _, acc = tl.associative_scan((tl.broadcast_to(seg[:, None], (TILE, DIM)), g), 0, _same_segment)
+    next_seg = tl.load(seg_ptr + i + 1, mask=i + 1 < n, other=-1)
+    before = tl.load(seg_ptr + start - 1, mask=start > 0, other=-1)
+    ends = live & ((next_seg != seg) | (i == start + TILE - 1))
+    whole = (next_seg != seg) & (seg != before)
+    out = sums_ptr + seg[:, None] * dim + cols[None, :]
+    tl.store(out, acc, mask=m & (ends & whole)[:, None])
+    tl.atomic_add(out, acc, mask=m & (ends & ~whole)[:, None])

@@ -1,0 +1,114 @@
+"""Many tables in one launch: a collection's grouped features against the same features
+trained one by one by their own DynamicEmbedding."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, EMPTY_KEY, OptimizerConfig
+from kernels.dynamic_embedding.collection import DynamicEmbeddingCollection
+from kernels.dynamic_embedding.hashing import bucket_of
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+ADAM = OptimizerConfig("adam", lr=0.1)
+
+
+def configs(max_capacity: int) -> dict[str, EmbeddingConfig]:
+    kw = dict(dim=8, optimizer=ADAM, bucket_size=8, backend="triton", capacity=16, max_capacity=max_capacity)
+    return {
+        "user": EmbeddingConfig(**kw),
+        "item": EmbeddingConfig(**kw, seed=3, eviction="epoch_lru"),
+        "shared": EmbeddingConfig(**kw, seed=5, read_only=True),
+        "tag": EmbeddingConfig(dim=4, bucket_size=8, backend="triton", eviction="lfu", capacity=16, max_capacity=max_capacity),
+    }
+
+
+def assert_same_rows(a: DynamicEmbedding, b: DynamicEmbedding) -> None:
+    ka, ea, sa, ca = a.export_rows()
+    kb, eb, sb, cb = b.export_rows()
+    oa, ob = ka.argsort(), kb.argsort()
+    assert torch.equal(ka[oa], kb[ob]) and torch.equal(ca[oa], cb[ob])
+    torch.testing.assert_close(ea[oa], eb[ob], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sa[oa], sb[ob], rtol=1e-5, atol=1e-6)
+
+
+def test_collection_groups_features_by_layout():
+    c = DynamicEmbeddingCollection(configs(256), DEVICE)
+    assert [g.names for g in c.groups] == [["user", "item", "shared"]] and c.single == ["tag"]
+    with pytest.raises(KeyError, match="no table for features"):
+        c.lookup({"nope": torch.zeros(1, dtype=torch.int64)})
+
+
+@settings(max_examples=8, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2**31 - 1), st.booleans()), min_size=1, max_size=6))
+def test_collection_trains_like_its_tables_one_by_one(steps):
+    """Growing tables: lookups, rows, scores, optimizer state and statistics equal those of
+    each feature's own DynamicEmbedding; some features sit out some calls, some calls do
+    not train, and some updates get ids other than the lookup's."""
+    cfg = configs(1 << 10)
+    coll = DynamicEmbeddingCollection(cfg, DEVICE)
+    alone = {n: DynamicEmbedding(c, DEVICE) for n, c in cfg.items()}
+    for step, (n, seed, train) in enumerate(steps):
+        gen = torch.Generator().manual_seed(seed)
+        names = [name for i, name in enumerate(cfg) if (seed >> i) & 1 or i == 0]
+        ids = {name: torch.randint(-30, 30, (n,), generator=gen).to(DEVICE) for name in names}
+        coll.set_epoch(step // 2)
+        for e in alone.values():
+            e.epoch = step // 2
+        got = coll.lookup(ids, train=train)
+        for name in names:
+            # rows equal to rounding: copies' gradients are summed in another order
+            torch.testing.assert_close(got[name], alone[name].lookup(ids[name], train=train), rtol=1e-5, atol=1e-6)
+        grads = {name: torch.randn(n, cfg[name].dim, generator=gen).to(DEVICE) for name in names}
+        if seed % 3 == 0:  # an update of other ids than the lookup's
+            ids = {name: x.flip(0) for name, x in ids.items()}
+            grads = {name: g.flip(0) for name, g in grads.items()}
+        coll.apply_gradients(ids, grads)
+        for name in names:
+            alone[name].apply_gradients(ids[name], grads[name])
+    for name in cfg:
+        assert_same_rows(coll[name], alone[name])
+        assert coll[name].stats() == alone[name].stats(), name
+        assert coll[name].step == alone[name].step
+
+
+@settings(max_examples=8, deadline=None)
+@given(batches=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 2**31 - 1)), min_size=1, max_size=6))
+def test_evicting_collection_keeps_the_tables_promises(batches):
+    """At max capacity placement depends on timing; what holds: every id gets its row's
+    embedding (or its initial one when not stored), no key is stored twice, and an id goes
+    unstored only where every row of its bucket is used by the same call."""
+    cfg = {n: c for n, c in configs(64).items() if n in ("user", "item")}
+    coll = DynamicEmbeddingCollection(cfg, DEVICE)
+    for n, seed in batches:
+        gen = torch.Generator().manual_seed(seed)
+        ids = {name: torch.randint(-100, 100, (n,), generator=gen).to(DEVICE) for name in cfg}
+        got = coll.lookup(ids)
+        for name, x in ids.items():
+            table = coll[name].table
+            slots = table.find(x)
+            stored = slots >= 0
+            assert torch.equal(got[name][stored], table.values[slots[stored], : cfg[name].dim])
+            assert torch.equal(got[name][~stored], coll[name].initial_rows(x[~stored])[:, : cfg[name].dim])
+            keys = table.export()[0].tolist()
+            assert len(keys) == len(set(keys))
+            call = set(x.tolist())
+            for key in x[~stored].tolist():
+                bucket = int(bucket_of(torch.tensor([key]), table.num_buckets))
+                assert set(table.keys.view(table.num_buckets, -1)[bucket].tolist()) <= call
+        coll.apply_gradients(ids, {name: torch.ones_like(e) for name, e in got.items()})
+    s = coll["user"].stats()
+    assert s.size <= 64 and s.inserts - s.evictions == s.size
+
+
+def test_reserved_key_and_empty_calls():
+    coll = DynamicEmbeddingCollection(configs(256), DEVICE)
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    assert coll.lookup({"user": empty, "tag": empty})["user"].shape == (0, 8)
+    coll.apply_gradients({"user": empty}, {"user": torch.empty(0, 8, device=DEVICE)})
+    ids = torch.tensor([EMPTY_KEY, 7], device=DEVICE)
+    got = coll.lookup({"user": ids})["user"]
+    user = coll["user"]
+    assert torch.equal(got[0], user.initial_rows(ids[:1])[0, :8])  # served, never stored
+    assert user.export_rows()[0].tolist() == [7]
+    assert user.stats().rejections == 1
