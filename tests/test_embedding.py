@@ -159,7 +159,7 @@ def test_no_eviction_policy_grows_then_rejects(backend):
 
 def test_memory_budget():
     c = EmbeddingConfig(dim=128, optimizer=OptimizerConfig(name="adam"), bucket_size=128, max_capacity=1 << 20)
-    assert c.bytes_per_row() == (128 + 257) * 4 + 17
+    assert c.bytes_per_row() == 400 * 4 + 21  # row of 385 values padded to 400; key, score, digest, mark
     assert c.table_bytes() == (1 << 20) * c.bytes_per_row()
     budget = 10 * 2**30
     cap = c.capacity_for_budget(budget)

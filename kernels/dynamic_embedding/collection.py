@@ -25,13 +25,14 @@ import torch
 import triton
 
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
-from .hashing import hash64
 from .multi_table_kernels import _gather_kernel, _init_rows_kernel, _segment_sum_kernel, _zero_split_segments_kernel
 from .triton_optimizers import SLOT_BITS, fused_update
-from .triton_table import FIND_BLOCK, FIND_WARPS, GROW, READ_ONLY, TritonHashTable, claim, probe, unprotect
+from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe
 
 FUSED_POLICIES = ("lru", "epoch_lru", "none")
+MAX_GROUP = 127  # tables per group: the sort key of rowless lanes keeps the table in 7 bits
 SUM_TILE = 16  # sorted lanes per program of the gradient sum
+LANE_BLOCK = 64  # lanes per program of the kernels that most lanes skip (row init, gather)
 
 
 def _fusable(emb: DynamicEmbedding) -> bool:
@@ -61,6 +62,7 @@ class _Routing:
     seg: torch.Tensor  # (N,) segment (distinct row) of each sorted lane
     count: torch.Tensor  # (1,) number of segments
     rows: torch.Tensor  # (N,) packed row of each segment (first `count` used); < 0: no row
+    ordered: torch.Tensor  # (N,) packed rows in sorted order
 
 
 class _Group:
@@ -70,6 +72,7 @@ class _Group:
         self.names, self.members = names, members
         first = members[0]
         self.device, self.dim, self.row_dim = first.device, first.dim, first.config.row_dim
+        self.row_stride = first.table.row_stride
         self.bucket_size, self.optimizer = first.config.bucket_size, first.config.optimizer
         self._seeds = _to_device([m.config.seed for m in members], torch.int64, self.device)
         self._scales = _to_device([3**0.5 * m.config.init_std for m in members], torch.float64, self.device)
@@ -79,6 +82,12 @@ class _Group:
         for i, m in enumerate(members):
             m._counts = self._counts[i]
         self._cache: dict = {}
+        # sorted positions where each table's rowless lanes, then its stored lanes, begin
+        lowest = torch.iinfo(torch.int64).min
+        self._table_bounds = _to_device(
+            [lowest | (t << 56) for t in range(len(members) + 1)] + [t << SLOT_BITS.value for t in range(len(members) + 1)],
+            torch.int64, self.device,
+        )
         self.empty = torch.empty(0, dtype=torch.int64, device=self.device)  # ids of a feature not in a call
         self.routing: _Routing | None = None
 
@@ -97,17 +106,19 @@ class _Group:
             m.table.descriptor(READ_ONLY if m.config.read_only else None) for m in self.members
         ]))
 
-    def _lanes(self, sizes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table of each lane, first lane of each table) for these per-table counts."""
+    def _lanes(self, sizes: tuple, ends: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table of each lane, first lane of each table) for these per-table counts; ends:
+        (table of each lane, [0, end of table 0's lanes, ..., end of the last's])."""
         def make():
-            starts = [0]
-            for n in sizes[:-1]:
-                starts.append(starts[-1] + n)
+            bounds = [0]
+            for n in sizes:
+                bounds.append(bounds[-1] + n)
             tids = torch.repeat_interleave(
                 torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes)
             ).to(self.device)
-            return tids, _to_device(starts, torch.int64, self.device)
-        return self._cached("lanes", sizes, make)
+            return tids, _to_device(bounds[:-1], torch.int64, self.device), _to_device(bounds, torch.int64, self.device)
+        tids, starts, bounds = self._cached("lanes", sizes, make)
+        return (tids, bounds) if ends else (tids, starts)
 
     def _lane_scores(self, tids: torch.Tensor) -> torch.Tensor:
         def score(m: DynamicEmbedding) -> int:
@@ -131,17 +142,14 @@ class _Group:
         tids, _ = self._lanes(sizes)
         if train:
             slots, inserted, evicted, missed = self._claim(keys, tids, out)
-            grid = (triton.cdiv(n, FIND_BLOCK),)
-            _init_rows_kernel[grid](
-                keys, tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
-                BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.row_dim)), num_warps=FIND_WARPS,
+            _init_rows_kernel[(triton.cdiv(n, LANE_BLOCK),)](
+                keys, tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim, self.row_stride,
+                BLOCK=LANE_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
             )
         else:
-            slots = probe(self._descriptors(), keys, self.bucket_size, self.row_dim, tids, out=out)
+            slots = probe(self._descriptors(), keys, self.bucket_size, self.row_stride, tids, out=out)
             missed, inserted, evicted = slots < 0, None, None
         self._gather(keys, tids, slots, missed, out)
-        if train:
-            unprotect(self._descriptors(), slots, tids)
         self.routing = self._route(tuple(given), keys, tids, slots)
         self._count(train, inserted, evicted)
         return list(out.split(sizes))
@@ -150,7 +158,7 @@ class _Group:
         """find_or_insert over every table, growing those that need it (then again)."""
         desc = self._descriptors()
         slots, inserted, evicted, _, _, missed = claim(
-            desc, keys, self._lane_scores(tids), self.bucket_size, tids, out=out, row_dim=self.row_dim
+            desc, keys, self._lane_scores(tids), self.bucket_size, tids, out=out, row_stride=self.row_stride
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:
@@ -164,7 +172,6 @@ class _Group:
         ]
         if not grow:
             return slots, inserted, evicted, missed
-        unprotect(desc, slots, tids)  # before growth frees the old storage
         for t in grow:
             t._grow()
         again, inserted_again, evicted_again, _ = self._claim(keys, tids, out)
@@ -172,39 +179,44 @@ class _Group:
 
     def _gather(self, keys, tids, slots, todo, out) -> None:
         n = keys.numel()
-        _gather_kernel[(triton.cdiv(n, FIND_BLOCK),)](
-            keys, tids, slots, todo, n, self._descriptors(), self._seeds, self._scales, out, self.dim, self.row_dim,
-            BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.dim)), num_warps=FIND_WARPS,
+        _gather_kernel[(triton.cdiv(n, LANE_BLOCK),)](
+            keys, tids, slots, todo, n, self._descriptors(), self._seeds, self._scales, out, self.dim, self.row_stride,
+            BLOCK=LANE_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
         )
 
     def _route(self, ids: tuple, keys, tids, slots) -> _Routing:
-        """Sorts the lanes by row: lanes of one row form a segment. Lanes without a row
-        sort first, grouped by (table, key) through a 64-bit hash (for the statistics)."""
+        """Sorts the lanes by row (packed (table, slot)): lanes of one row form a segment.
+        Lanes without a row sort first: sign bit, table in bits 56-62, then the key's low 56
+        bits (keys equal in those count once in the statistics)."""
         t64 = tids.long()
-        no_row = hash64(keys ^ (t64 << 56)) | torch.iinfo(torch.int64).min
+        no_row = (keys & ((1 << 56) - 1)) | (t64 << 56) | torch.iinfo(torch.int64).min
         packed = torch.where(slots >= 0, (t64 << SLOT_BITS.value) | slots, no_row)
         ordered, order = torch.sort(packed, stable=True)
         first = torch.ones_like(ordered, dtype=torch.bool)
         first[1:] = ordered[1:] != ordered[:-1]
         seg = torch.cumsum(first, 0) - 1
         rows = torch.empty_like(ordered).scatter_(0, seg, ordered)
-        return _Routing(ids, self._storage(), tids, order, seg, seg[-1:] + 1, rows)
+        return _Routing(ids, self._storage(), tids, order, seg, seg[-1:] + 1, rows, ordered)
 
     def _count(self, train: bool, inserted, evicted) -> None:
+        """Adds this lookup's per-table counts (COUNTED) to the members' counters. Sorted
+        lanes are grouped by table (rowless ones first), so a table's distinct ids are the
+        segments between two sorted positions found by binary search; its inserts and
+        evictions are sums over its lanes, read off one running sum."""
         r = self.routing
-        first = torch.ones_like(r.seg, dtype=torch.bool)
-        first[1:] = r.seg[1:] != r.seg[:-1]
-        has_row = r.rows[r.seg] >= 0
-        sorted_tids = r.tids.long()[r.order]
-        delta = torch.zeros(len(self.members), 5, dtype=torch.int64, device=self.device)
-        delta[:, 0].index_add_(0, sorted_tids, first.long())  # lookups: distinct ids
-        delta[:, 1].index_add_(0, sorted_tids, (first & has_row).long())  # hits, less inserts below
+        n, T = r.seg.numel(), len(self.members)
+        segments_before = torch.cat([r.seg.new_zeros(1), r.seg + 1])[torch.searchsorted(r.ordered, self._table_bounds)]
+        distinct = segments_before.view(2, T + 1).diff(dim=1)  # (rowless, stored) ids per table
+        delta = torch.zeros(T, 5, dtype=torch.int64, device=self.device)
+        delta[:, 0] = distinct.sum(0)
+        delta[:, 1] = distinct[1]  # hits: stored ids, less those this call inserted (below)
         if train:
-            delta[:, 2].index_add_(0, r.tids.long(), inserted.long())
-            delta[:, 1] -= delta[:, 2]
-            delta[:, 3].index_add_(0, sorted_tids, (first & ~has_row).long())
-            delta[:, 3] *= self._inserting
-            delta[:, 4].index_add_(0, r.tids.long(), evicted.long())
+            sums = torch.cat([r.seg.new_zeros(1), torch.cumsum(torch.stack([inserted, evicted]).view(-1), 0)])
+            _, bounds = self._lanes(tuple(x.numel() for x in r.ids), ends=True)
+            per_table = sums[bounds[None, :] + n * torch.arange(2, device=self.device)[:, None]].diff(dim=1)
+            delta[:, 2], delta[:, 4] = per_table[0], per_table[1]
+            delta[:, 1] -= per_table[0]
+            delta[:, 3] = distinct[0] * self._inserting  # read-only features do not reject, they serve
         self._counts += delta
 
     # ---- update ---------------------------------------------------------------------------
@@ -224,7 +236,8 @@ class _Group:
             return
         grads = [g.to(self.device, torch.float32).contiguous() for g in grads]
         _, starts = self._lanes(tuple(x.numel() for x in r.ids))
-        grad_ptrs = _to_device([g.data_ptr() for g in grads], torch.int64, self.device)
+        ptrs = [g.data_ptr() for g in grads]
+        grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
         sums = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
         tiles, dim_block = triton.cdiv(n, SUM_TILE), triton.next_power_of_2(self.dim)
         _zero_split_segments_kernel[(tiles,)](r.seg, n, sums, self.dim, TILE=SUM_TILE, DIM=dim_block)
@@ -243,7 +256,10 @@ class DynamicEmbeddingCollection:
             if _fusable(emb):
                 c = emb.config
                 by_layout.setdefault((c.dim, c.optimizer, c.bucket_size), []).append(name)
-        self.groups = [_Group(names, [self.tables[n] for n in names]) for names in by_layout.values()]
+        self.groups = [
+            _Group(names[i : i + MAX_GROUP], [self.tables[n] for n in names[i : i + MAX_GROUP]])
+            for names in by_layout.values() for i in range(0, len(names), MAX_GROUP)
+        ]
         grouped = {n for g in self.groups for n in g.names}
         self.single = [n for n in self.tables if n not in grouped]  # served one by one
 

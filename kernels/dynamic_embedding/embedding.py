@@ -20,6 +20,7 @@ from .hashing import shard_of, uniform_from_keys
 from .optimizers import OptimizerConfig
 from .table import MISSING, ReferenceHashTable, highest_per_key, sum_by_key
 from .triton_optimizers import fused_update
+from .triton_table import ROW_ALIGN
 
 # score of a row: lru = step of last use; lfu = uses so far; epoch_lru / epoch_lfu = epoch in
 # the high 32 bits, step or uses within the epoch in the low 32; custom = given by the
@@ -91,8 +92,11 @@ class EmbeddingConfig:
         return self.dim + self.optimizer.state_dim(self.dim)
 
     def bytes_per_row(self, dtype: torch.dtype = torch.float32) -> int:
-        """Memory of one slot: the row (embedding + optimizer state), key, score, digest."""
-        return self.row_dim * torch.finfo(dtype).bits // 8 + 8 + 8 + 1
+        """Memory of one slot as the Triton table keeps it: the row (embedding + optimizer
+        state, padded to a multiple of ROW_ALIGN values), key, score, digest and the mark
+        of the last call that used it (the reference table needs less)."""
+        stride = -(-self.row_dim // ROW_ALIGN.value) * ROW_ALIGN.value
+        return stride * torch.finfo(dtype).bits // 8 + 8 + 8 + 1 + 4
 
     def table_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Memory one rank's table takes at max_capacity (rounded up to whole buckets)."""

@@ -21,44 +21,52 @@ def _initial_embedding(key, seed, scale, cols):
 
 @triton.jit
 def _init_rows_kernel(
-    key_ptr, tid_ptr, slot_ptr, inserted_ptr, n, desc_ptr, seed_ptr, scale_ptr, dim, row_dim,
+    key_ptr, tid_ptr, slot_ptr, inserted_ptr, n, desc_ptr, seed_ptr, scale_ptr, dim, row_dim, row_stride,
     BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
     """Rows of keys this call inserted: their initial embedding, optimizer state zero."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = (offs < n) & (tl.load(inserted_ptr + offs, mask=offs < n, other=0) != 0)
-    key = tl.load(key_ptr + offs, mask=live, other=0)
-    t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + offs, mask=live, other=0)
-    row = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_dim
-    seed, scale = tl.load(seed_ptr + t, mask=live, other=0), tl.load(scale_ptr + t, mask=live, other=0.0)
-    for c in range(0, row_dim, DIM_BLOCK):
-        cols = c + tl.arange(0, DIM_BLOCK)
-        value = tl.where(cols[None, :] < dim, _initial_embedding(key, seed, scale, cols), 0.0)
-        tl.store(row[:, None] + cols[None, :], value, mask=live[:, None] & (cols[None, :] < row_dim))
+    if tl.max(live.to(tl.int32), axis=0) > 0:  # most programs have no new key
+        key = tl.load(key_ptr + offs, mask=live, other=0)
+        t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + offs, mask=live, other=0)
+        row = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_stride
+        seed, scale = tl.load(seed_ptr + t, mask=live, other=0), tl.load(scale_ptr + t, mask=live, other=0.0)
+        for c in range(0, dim, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            value = _initial_embedding(key, seed, scale, cols)
+            tl.store(row[:, None] + cols[None, :], value, mask=live[:, None] & (cols[None, :] < dim))
+        for c in range(dim, row_dim, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            zero = tl.zeros([BLOCK, DIM_BLOCK], dtype=tl.float32)
+            tl.store(row[:, None] + cols[None, :], zero, mask=live[:, None] & (cols[None, :] < row_dim))
 
 
 @triton.jit
 def _gather_kernel(
-    key_ptr, tid_ptr, slot_ptr, todo_ptr, n, desc_ptr, seed_ptr, scale_ptr, out_ptr, dim, row_dim,
+    key_ptr, tid_ptr, slot_ptr, todo_ptr, n, desc_ptr, seed_ptr, scale_ptr, out_ptr, dim, row_stride,
     BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
     """out[i] = the embedding of key i's row where todo[i]; keys without a row (slot < 0)
     get their initial embedding."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = (offs < n) & (tl.load(todo_ptr + offs, mask=offs < n, other=0) != 0)
-    key = tl.load(key_ptr + offs, mask=live, other=0)
-    t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + offs, mask=live, other=-1)
-    stored = live & (slot >= 0)
-    row = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_dim
-    seed, scale = tl.load(seed_ptr + t, mask=live, other=0), tl.load(scale_ptr + t, mask=live, other=0.0)
-    for c in range(0, dim, DIM_BLOCK):
-        cols = c + tl.arange(0, DIM_BLOCK)
-        in_dim = cols[None, :] < dim
-        value = tl.load(row[:, None] + cols[None, :], mask=stored[:, None] & in_dim)
-        value = tl.where(stored[:, None], value, _initial_embedding(key, seed, scale, cols))
-        tl.store(out_ptr + offs[:, None].to(tl.int64) * dim + cols[None, :], value, mask=live[:, None] & in_dim)
+    if tl.max(live.to(tl.int32), axis=0) > 0:  # most programs were served by the probe
+        key = tl.load(key_ptr + offs, mask=live, other=0)
+        t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + offs, mask=live, other=-1)
+        stored = live & (slot >= 0)
+        row = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_stride
+        seed, scale = tl.load(seed_ptr + t, mask=live, other=0), tl.load(scale_ptr + t, mask=live, other=0.0)
+        unstored = tl.max((live & ~stored).to(tl.int32), axis=0) > 0
+        for c in range(0, dim, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            in_dim = cols[None, :] < dim
+            value = tl.load(row[:, None] + cols[None, :], mask=stored[:, None] & in_dim)
+            if unstored:
+                value = tl.where(stored[:, None], value, _initial_embedding(key, seed, scale, cols))
+            tl.store(out_ptr + offs[:, None].to(tl.int64) * dim + cols[None, :], value, mask=live[:, None] & in_dim)
 
 
 @triton.jit

@@ -122,9 +122,11 @@ class ReferenceHashTable:
         self.num_buckets = num_buckets
         self.keys = torch.full((cap,), EMPTY_KEY, dtype=torch.int64, device=self.device)
         self.scores = torch.zeros(cap, dtype=torch.int64, device=self.device)
-        self.values = torch.zeros(cap, self.row_dim, dtype=self.dtype, device=self.device)
-        if self.pin_memory:
-            self.values = self.values.pin_memory()
+        self.values = self._new_values(cap)
+
+    def _new_values(self, capacity: int) -> torch.Tensor:
+        values = torch.zeros(capacity, self.row_dim, dtype=self.dtype, device=self.device)
+        return values.pin_memory() if self.pin_memory else values
 
     @property
     def capacity(self) -> int:

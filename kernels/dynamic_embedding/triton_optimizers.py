@@ -11,17 +11,19 @@ import triton
 import triton.language as tl
 
 from .optimizers import OptimizerConfig
-from .triton_table import _VALUES, _field
+from .triton_table import ROW_ALIGN, _VALUES, _field
 
 SLOT_BITS = tl.constexpr(40)  # packed (table, slot): the slot's bits
 SLOT_MASK = tl.constexpr((1 << 40) - 1)
+# embedding values per program (rows = this / dim) and warps of the update kernel
+UPDATE_ELEMENTS, UPDATE_WARPS = 512, 2
 
 _OPTIMIZERS = {"sgd": 0, "adam": 1, "adagrad": 2, "rowwise_adagrad": 3}
 
 
 @triton.jit
 def _update_kernel(
-    values_ptr, slot_ptr, grad_ptr, n, count_ptr, desc_ptr, dim, row_dim,
+    values_ptr, slot_ptr, grad_ptr, n, count_ptr, desc_ptr, dim, row_stride,
     lr, beta1, beta2, eps, weight_decay, max_norm,
     OPT: tl.constexpr, CLIP: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr, MULTI: tl.constexpr,
 ):
@@ -37,7 +39,7 @@ def _update_kernel(
         slot = slot & SLOT_MASK
     else:
         table_values = values_ptr
-    row_ptr = table_values + slot * row_dim
+    row_ptr = tl.multiple_of(table_values + slot * row_stride, ROW_ALIGN)  # rows start aligned
     cols = tl.arange(0, DIM)
     m = live[:, None] & (cols[None, :] < dim)
     base = row_ptr[:, None]
@@ -86,12 +88,12 @@ def fused_update(
         return
     if values.dtype != torch.float32:
         raise TypeError("the fused update needs float32 rows")
-    block = max(1, min(64, 4096 // triton.next_power_of_2(dim)))
+    block = max(1, min(64, UPDATE_ELEMENTS // triton.next_power_of_2(dim)))
     multi = desc is not None
     _update_kernel[(triton.cdiv(n, block),)](
         values, slots.contiguous(), grads.contiguous().to(torch.float32), n, count if multi else slots,
-        desc if multi else slots, dim, values.shape[1],
+        desc if multi else slots, dim, values.stride(0),
         cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.max_grad_norm or 0.0,
         OPT=_OPTIMIZERS[cfg.name], CLIP=cfg.max_grad_norm is not None, BLOCK=block, DIM=triton.next_power_of_2(dim),
-        MULTI=multi,
+        MULTI=multi, num_warps=UPDATE_WARPS,
     )

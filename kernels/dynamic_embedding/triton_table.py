@@ -8,6 +8,8 @@ victims, writes, value gathers and export compaction are kernels. New keys are p
 two launches, one that only reads (choose a slot) and one that only writes, so no kernel
 races with itself and the layout is the reference's, bit for bit.
 """
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -33,10 +35,12 @@ def _digest(h):
     return tl.where(d == 0, 1, d).to(tl.uint8)
 
 
+ROW_ALIGN = tl.constexpr(16)  # elements; a row's stride in a Triton table is a multiple
+
 # A table descriptor: int64 words that let one kernel address any of several tables (the
 # tables of a collection): storage addresses, bucket mask and insertion mode
 # (kernels may only read module globals that are constexpr)
-_KEYS, _DIGESTS, _SCORES, _VALUES, _PROTECTED, _LOCKS, _MASK, _MODE = (tl.constexpr(i) for i in range(8))
+_KEYS, _DIGESTS, _SCORES, _VALUES, _MARKS, _LOCKS, _MASK, _MODE = (tl.constexpr(i) for i in range(8))
 DESCRIPTOR_WORDS = 8
 # insertion modes: a key whose bucket has no empty slot is refused (slot -1) under KEEP,
 # reported as slot -2 under GROW (the caller grows the table), evicts under EVICT
@@ -48,16 +52,16 @@ def _field(desc_ptr, t, word: tl.constexpr):
     return tl.load(desc_ptr + t * 8 + word)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["call"])
 def _find_kernel(
-    query_ptr, tid_ptr, n, desc_ptr, slot_ptr, out_ptr, out_dim, row_dim, score_ptr,
+    query_ptr, tid_ptr, n, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride, score_ptr, call,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr, TOUCH: tl.constexpr,
     MULTI: tl.constexpr,
 ):
     """slot of each query key in its table (or -1); MULTI: table tid[i], else table 0.
     GATHER: also copy the first out_dim values of found rows into out (rows of missing keys
     are left untouched). TOUCH: a found row's score becomes the highest score any copy of
-    its key brings, and the row is protected from eviction for the rest of the call."""
+    its key brings, and the row is marked used by `call` (protected from its evictions)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     if MULTI:
@@ -80,20 +84,21 @@ def _find_kernel(
     if TOUCH:
         scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
         tl.atomic_max(scores_base + slot, tl.load(score_ptr + offs, mask=live, other=0), mask=found)
-        protected_base = _field(desc_ptr, t, _PROTECTED).to(tl.pointer_type(tl.uint8))
-        tl.store(protected_base + slot, tl.full([BLOCK], 1, tl.uint8), mask=found)
+        marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
+        tl.store(marks + slot, tl.full([BLOCK], call, tl.int32), mask=found)
     if GATHER:
         values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        row_ptr = tl.multiple_of(values_base + slot * row_stride, ROW_ALIGN)  # rows start 16-element aligned
         for c in range(0, out_dim, DIM_BLOCK):
             cols = c + tl.arange(0, DIM_BLOCK)
             m = found[:, None] & (cols[None, :] < out_dim)
-            row = tl.load(values_base[:, None] + slot[:, None] * row_dim + cols[None, :], mask=m)
+            row = tl.load(row_ptr[:, None] + cols[None, :], mask=m)
             tl.store(out_ptr + offs[:, None].to(tl.int64) * out_dim + cols[None, :], row, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["call"])
 def _choose_slots_kernel(
-    bucket_ptr, rank_ptr, new_score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, protected_ptr,
+    bucket_ptr, rank_ptr, new_score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, marks_ptr, call,
     slot_ptr, victim_key_ptr, victim_score_ptr, victim_flag_ptr,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr,
 ):
@@ -114,7 +119,7 @@ def _choose_slots_kernel(
     if EVICT:
         over = live & (rank >= n_free)
         nth = tl.where(over, rank - n_free, -1)
-        protected = tl.load(protected_ptr + slots, mask=live[:, None], other=1) != 0
+        protected = tl.load(marks_ptr + slots, mask=live[:, None], other=call) == call
         scores = tl.load(scores_ptr + slots, mask=live[:, None], other=0)
         cand = over[:, None] & ~free & ~protected
         pick = tl.full([BLOCK], -1, tl.int64)
@@ -165,7 +170,7 @@ def _count_kernel(table_keys_ptr, scores_ptr, capacity, min_score, counts_ptr, B
 @triton.jit
 def _export_kernel(
     table_keys_ptr, scores_ptr, values_ptr, capacity, min_score, starts_ptr,
-    out_keys_ptr, out_values_ptr, out_scores_ptr, row_dim,
+    out_keys_ptr, out_values_ptr, out_scores_ptr, row_dim, row_stride,
     BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, FILTER: tl.constexpr,
 ):
     """Copies kept rows of a block of slots to out, at the block's start plus the row's
@@ -183,13 +188,13 @@ def _export_kernel(
     for c in range(0, row_dim, DIM_BLOCK):
         cols = c + tl.arange(0, DIM_BLOCK)
         m = keep[:, None] & (cols[None, :] < row_dim)
-        row = tl.load(values_ptr + offs[:, None].to(tl.int64) * row_dim + cols[None, :], mask=m)
+        row = tl.load(values_ptr + offs[:, None].to(tl.int64) * row_stride + cols[None, :], mask=m)
         tl.store(out_values_ptr + dest[:, None] * row_dim + cols[None, :], row, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["call"])
 def _claim_kernel(
-    query_ptr, tid_ptr, score_ptr, n, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr,
+    query_ptr, tid_ptr, score_ptr, n, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr, call,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr,
 ):
     """Fast mode, pass 2, for keys pass 1 did not find. Each key takes its bucket's lock,
@@ -197,94 +202,84 @@ def _claim_kernel(
     slot, else (EVICT) the lowest (score, slot) row not used by this call, if that score is
     <= its own. Under GROW a full bucket gives slot -2 (the caller grows and retries);
     under KEEP, and when no row may be evicted, the key is not stored (slot -1). A key
-    stored here is protected at once, so no later key of the call evicts it."""
+    stored here is marked used by `call` at once, so no later key of the call evicts it."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
-    if MULTI:
-        t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-    else:
-        t = tl.zeros([BLOCK], dtype=tl.int64)
     slot = tl.load(slot_ptr + offs, mask=live, other=0)
-    mode = _field(desc_ptr, t, _MODE)
-    key = tl.load(query_ptr + offs, mask=live, other=0)
-    active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
-    score = tl.load(score_ptr + offs, mask=active, other=0)
-    h = _hash(key)
-    digest = _digest(h)
-    bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
-    cols = tl.arange(0, BUCKET)[None, :]
-    slots = bucket[:, None] * BUCKET + cols
-    keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
-    digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
-    scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
-    protected_base = _field(desc_ptr, t, _PROTECTED).to(tl.pointer_type(tl.uint8))
-    lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
-    inserted = tl.zeros([BLOCK], dtype=tl.int8)
-    evicted = tl.zeros([BLOCK], dtype=tl.int8)
-    victim_key = tl.zeros([BLOCK], dtype=tl.int64)
-    victim_score = tl.zeros([BLOCK], dtype=tl.int64)
-    big = 9223372036854775807
-    while tl.max(active.to(tl.int32), axis=0) > 0:
-        # inactive lanes compare-and-swap their own slot entry against a value it never
-        # holds: a no-op on an address no other lane touches
-        target_lock = tl.where(active, lock, slot_ptr + offs)
-        expect = tl.where(active, 0, -3).to(tl.int64)
-        got = active & (tl.atomic_cas(target_lock, expect, tl.full([BLOCK], 1, tl.int64), sem="acquire") == 0)
-        # under the lock: reads go through L2, where the previous holder's writes are
-        digests = tl.load(digests_base[:, None] + slots, mask=got[:, None], other=0, cache_modifier=".cg")
-        maybe = got[:, None] & (digests == digest[:, None])
-        keys = tl.load(keys_base[:, None] + slots, mask=maybe, other=0, cache_modifier=".cg")
-        hit = maybe & (keys == key[:, None])
-        found = tl.max(hit.to(tl.int32), axis=1) > 0
-        hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
-        tl.atomic_max(scores_base + hit_slot, score, mask=found)  # a copy stored it first
-        empty = got[:, None] & (digests == 0)
-        has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
-        first_empty = tl.min(tl.where(empty, cols, BUCKET), axis=1)
-        evicting = got & ~found & ~has_empty & (mode == 2)
-        protected = tl.load(protected_base[:, None] + slots, mask=evicting[:, None], other=1, cache_modifier=".cg") != 0
-        row_scores = tl.load(scores_base[:, None] + slots, mask=evicting[:, None], other=0, cache_modifier=".cg")
-        cand = evicting[:, None] & ~protected
-        lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
-        victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
-        can_evict = evicting & (victim_col < BUCKET) & (lowest <= score)
-        place = got & ~found & (has_empty | can_evict)
-        target = bucket * BUCKET + tl.where(has_empty, first_empty, victim_col)
-        old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
-        tl.store(keys_base + target, key, mask=place)
-        tl.store(scores_base + target, score, mask=place)
-        tl.store(digests_base + target, digest, mask=place)
-        tl.store(protected_base + target, tl.full([BLOCK], 1, tl.uint8), mask=place)
-        refused = tl.where(mode == 1, -2, -1)
-        slot = tl.where(found, hit_slot, tl.where(place, target, tl.where(got, refused, slot)))
-        inserted = tl.where(place, 1, inserted).to(tl.int8)
-        evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
-        victim_key = tl.where(can_evict, old_key, victim_key)
-        victim_score = tl.where(can_evict, lowest, victim_score)
-        tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
-        active = active & ~got
-    tl.store(slot_ptr + offs, slot, mask=live)
-    tl.store(inserted_ptr + offs, inserted, mask=live)
-    tl.store(evicted_ptr + offs, evicted, mask=live)
-    tl.store(victim_key_ptr + offs, victim_key, mask=live)
-    tl.store(victim_score_ptr + offs, victim_score, mask=live)
+    if tl.max((live & (slot < 0)).to(tl.int32), axis=0) > 0:  # most programs have nothing to place
+        if MULTI:
+            t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+        else:
+            t = tl.zeros([BLOCK], dtype=tl.int64)
+        mode = _field(desc_ptr, t, _MODE)
+        key = tl.load(query_ptr + offs, mask=live, other=0)
+        active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
+        score = tl.load(score_ptr + offs, mask=active, other=0)
+        h = _hash(key)
+        digest = _digest(h)
+        bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
+        cols = tl.arange(0, BUCKET)[None, :]
+        slots = bucket[:, None] * BUCKET + cols
+        keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
+        digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
+        scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
+        marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
+        lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
+        inserted = tl.zeros([BLOCK], dtype=tl.int8)
+        evicted = tl.zeros([BLOCK], dtype=tl.int8)
+        victim_key = tl.zeros([BLOCK], dtype=tl.int64)
+        victim_score = tl.zeros([BLOCK], dtype=tl.int64)
+        big = 9223372036854775807
+        while tl.max(active.to(tl.int32), axis=0) > 0:
+            # inactive lanes compare-and-swap their own slot entry against a value it never
+            # holds: a no-op on an address no other lane touches
+            target_lock = tl.where(active, lock, slot_ptr + offs)
+            expect = tl.where(active, 0, -3).to(tl.int64)
+            got = active & (tl.atomic_cas(target_lock, expect, tl.full([BLOCK], 1, tl.int64), sem="acquire") == 0)
+            # under the lock: reads go through L2, where the previous holder's writes are
+            digests = tl.load(digests_base[:, None] + slots, mask=got[:, None], other=0, cache_modifier=".cg")
+            maybe = got[:, None] & (digests == digest[:, None])
+            keys = tl.load(keys_base[:, None] + slots, mask=maybe, other=0, cache_modifier=".cg")
+            hit = maybe & (keys == key[:, None])
+            found = tl.max(hit.to(tl.int32), axis=1) > 0
+            hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
+            tl.atomic_max(scores_base + hit_slot, score, mask=found)  # a copy stored it first
+            empty = got[:, None] & (digests == 0)
+            has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
+            first_empty = tl.min(tl.where(empty, cols, BUCKET), axis=1)
+            evicting = got & ~found & ~has_empty & (mode == 2)
+            protected = tl.load(marks[:, None] + slots, mask=evicting[:, None], other=call, cache_modifier=".cg") == call
+            row_scores = tl.load(scores_base[:, None] + slots, mask=evicting[:, None], other=0, cache_modifier=".cg")
+            cand = evicting[:, None] & ~protected
+            lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
+            victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
+            can_evict = evicting & (victim_col < BUCKET) & (lowest <= score)
+            place = got & ~found & (has_empty | can_evict)
+            target = bucket * BUCKET + tl.where(has_empty, first_empty, victim_col)
+            old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
+            tl.store(keys_base + target, key, mask=place)
+            tl.store(scores_base + target, score, mask=place)
+            tl.store(digests_base + target, digest, mask=place)
+            tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=place)
+            refused = tl.where(mode == 1, -2, -1)
+            slot = tl.where(found, hit_slot, tl.where(place, target, tl.where(got, refused, slot)))
+            inserted = tl.where(place, 1, inserted).to(tl.int8)
+            evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
+            victim_key = tl.where(can_evict, old_key, victim_key)
+            victim_score = tl.where(can_evict, lowest, victim_score)
+            tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
+            active = active & ~got
+        tl.store(slot_ptr + offs, slot, mask=live)
+        tl.store(inserted_ptr + offs, inserted, mask=live)
+        tl.store(evicted_ptr + offs, evicted, mask=live)
+        tl.store(victim_key_ptr + offs, victim_key, mask=live)
+        tl.store(victim_score_ptr + offs, victim_score, mask=live)
 
 
 @triton.jit
-def _unprotect_kernel(tid_ptr, slot_ptr, n, desc_ptr, BLOCK: tl.constexpr, MULTI: tl.constexpr):
-    """Ends a call: the rows it used may be evicted again."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(slot_ptr + offs, mask=offs < n, other=-1)
-    if MULTI:
-        t = tl.load(tid_ptr + offs, mask=offs < n, other=0).to(tl.int64)
-    else:
-        t = tl.zeros([BLOCK], dtype=tl.int64)
-    protected_base = _field(desc_ptr, t, _PROTECTED).to(tl.pointer_type(tl.uint8))
-    tl.store(protected_base + slot, tl.zeros([BLOCK], dtype=tl.uint8), mask=slot >= 0)
-
-
-@triton.jit
-def _move_rows_kernel(slot_ptr, mask_ptr, buf_ptr, values_ptr, n, row_dim, TO_TABLE: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr):
+def _move_rows_kernel(
+    slot_ptr, mask_ptr, buf_ptr, values_ptr, n, row_dim, row_stride, TO_TABLE: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
     """TO_TABLE: values[slot[i]] = buf[i] where mask[i]; else buf[i] = values[slot[i]]
     where slot[i] >= 0."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -295,12 +290,21 @@ def _move_rows_kernel(slot_ptr, mask_ptr, buf_ptr, values_ptr, n, row_dim, TO_TA
     for c in range(0, row_dim, DIM_BLOCK):
         cols = c + tl.arange(0, DIM_BLOCK)
         m = live[:, None] & (cols[None, :] < row_dim)
-        table = values_ptr + slot[:, None] * row_dim + cols[None, :]
+        table = values_ptr + slot[:, None] * row_stride + cols[None, :]
         buf = buf_ptr + rows[:, None].to(tl.int64) * row_dim + cols[None, :]
         if TO_TABLE:
             tl.store(table, tl.load(buf, mask=m), mask=m)
         else:
             tl.store(buf, tl.load(table, mask=m), mask=m)
+
+
+_calls = itertools.count(1)
+
+
+def new_call() -> int:
+    """A fresh id for a call that evicts: rows marked with it are used by the call. Ids
+    repeat after 2**31 - 1 calls (a row untouched that long could be spared once)."""
+    return (next(_calls) - 1) % (2**31 - 1) + 1
 
 
 def _grid(n: int, block: int) -> tuple[int]:
@@ -314,20 +318,20 @@ FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 2
 
 
 def probe(
-    desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_dim: int, tids: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, touch: torch.Tensor | None = None,
+    desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, touch: torch.Tensor | None = None, call: int = 0,
 ) -> torch.Tensor:
     """Slots of keys (-1 if absent) in the tables of `desc` ((T, DESCRIPTOR_WORDS); key i in
     table tids[i], or all in table 0). `out` (N, d) receives the first d values of found
-    rows; `touch` (N,) scores raise found rows' scores and protect them until unprotect()."""
+    rows; `touch` (N,) scores raise found rows' scores and mark them used by `call`."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     if n == 0:
         return slots
     out_dim = out.shape[1] if out is not None else 0
     _find_kernel[_grid(n, FIND_BLOCK)](
-        keys, tids if tids is not None else keys, n, desc, slots, out if out is not None else slots, out_dim, row_dim,
-        touch if touch is not None else keys,
+        keys, tids if tids is not None else keys, n, desc, slots, out if out is not None else slots, out_dim, row_stride,
+        touch if touch is not None else keys, call,
         BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
         GATHER=out is not None, TOUCH=touch is not None, MULTI=tids is not None, num_warps=FIND_WARPS,
     )
@@ -336,32 +340,25 @@ def probe(
 
 def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, row_dim: int = 0,
+    out: torch.Tensor | None = None, row_stride: int = 0,
 ):
     """Fast find_or_insert on the tables of `desc`: one probe that raises and protects found
     rows (and copies them into `out`, as probe), then one claim launch for the keys not
     found. Returns (slots, inserted, evicted, victim_keys, victim_scores, missed), all (N,):
     an evicted lane's slot still holds its victim's row; missed: not found by the probe.
-    Found and inserted rows stay protected until unprotect(desc, slots, tids)."""
+    Found and inserted rows are marked used by this call: none of its keys evicts them."""
     n = keys.numel()
-    slots = probe(desc, keys, bucket_size, row_dim, tids, out=out, touch=scores)
+    call = new_call()
+    slots = probe(desc, keys, bucket_size, row_stride, tids, out=out, touch=scores, call=call)
     missed = slots < 0
     flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
         _claim_kernel[_grid(n, PLACE_BLOCK)](
-            keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1],
+            keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1], call,
             BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None, num_warps=PLACE_WARPS,
         )
     return slots, flags[0], flags[1], victims[0], victims[1], missed
-
-
-def unprotect(desc: torch.Tensor, slots: torch.Tensor, tids: torch.Tensor | None = None) -> None:
-    n = slots.numel()
-    if n:
-        _unprotect_kernel[_grid(n, FIND_BLOCK)](
-            tids if tids is not None else slots, slots, n, desc, BLOCK=FIND_BLOCK, MULTI=tids is not None, num_warps=FIND_WARPS
-        )
 
 
 class TritonHashTable(ReferenceHashTable):
@@ -423,7 +420,6 @@ class TritonHashTable(ReferenceHashTable):
         if self.insert_mode == EVICT and keys.numel():
             v = evicted.nonzero().squeeze(1)
             lost = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])  # rows not yet overwritten
-        unprotect(self._descriptor, slots)
         return slots, inserted.bool(), lost
 
     def _store_rows(self, slots, inserted, values):
@@ -439,7 +435,7 @@ class TritonHashTable(ReferenceHashTable):
         if values.dtype != self.dtype or not values.is_contiguous() or values.shape != (n, self.row_dim):
             raise ValueError("values must be a contiguous (N, row_dim) tensor of the table's dtype")
         _move_rows_kernel[_grid(n, FIND_BLOCK)](
-            slots, mask.to(torch.int8) if to_table else slots, values, self.values, n, self.row_dim,
+            slots, mask.to(torch.int8) if to_table else slots, values, self.values, n, self.row_dim, self.row_stride,
             TO_TABLE=to_table, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.row_dim)),
             num_warps=FIND_WARPS,
         )
@@ -451,21 +447,26 @@ class TritonHashTable(ReferenceHashTable):
         self._store_rows(slots, slots >= 0, rows.to(self.device, self.dtype).contiguous())
         return evicted
 
+    def _new_values(self, capacity: int) -> torch.Tensor:
+        # rows padded to a multiple of ROW_ALIGN elements: aligned rows load in wide vectors
+        self.row_stride = -(-self.row_dim // ROW_ALIGN.value) * ROW_ALIGN.value
+        return torch.zeros(capacity, self.row_stride, dtype=self.dtype, device=self.device)[:, : self.row_dim]
+
     def _allocate(self, num_buckets: int) -> None:
         super()._allocate(num_buckets)
         self.digests = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
-        self._protected = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+        self._marks = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)  # the last call that used a row
         self._locks = torch.zeros(num_buckets, dtype=torch.int64, device=self.device)
         words = [0] * DESCRIPTOR_WORDS
         for i, t in ((_KEYS, self.keys), (_DIGESTS, self.digests), (_SCORES, self.scores), (_VALUES, self.values),
-                     (_PROTECTED, self._protected), (_LOCKS, self._locks)):
+                     (_MARKS, self._marks), (_LOCKS, self._locks)):
             words[i.value] = t.data_ptr()
         words[_MASK.value], words[_MODE.value] = num_buckets - 1, self.insert_mode
         self._descriptor = torch.tensor(words, dtype=torch.int64, device=self.device)
 
     def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Slots of keys (-1 if absent); `out` receives found rows' values."""
-        return probe(self._descriptor, keys, self.bucket_size, self.row_dim, out=out)
+        return probe(self._descriptor, keys, self.bucket_size, self.row_stride, out=out)
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         return self._probe(self._check_keys(keys).contiguous())
@@ -495,17 +496,17 @@ class TritonHashTable(ReferenceHashTable):
             victim_keys, victim_scores = torch.empty_like(slots), torch.empty_like(slots)
             victim = torch.empty(M, dtype=torch.int8, device=self.device)
             used = self._probe(used_keys.contiguous())
-            used = used[used != MISSING]
-            self._protected[used] = 1  # rows this call uses are never evicted
+            call = new_call()
+            self._marks[used[used != MISSING]] = call  # rows this call uses are never evicted
         else:
             victim_keys = victim_scores = victim = slots  # not touched without EVICT
+            call = 0
         _choose_slots_kernel[_grid(M, PLACE_BLOCK)](
-            buckets.contiguous(), rank.contiguous(), scores_sorted, M, self.keys, self.digests, self.scores, self._protected,
+            buckets.contiguous(), rank.contiguous(), scores_sorted, M, self.keys, self.digests, self.scores, self._marks, call,
             slots, victim_keys, victim_scores, victim,
             BUCKET=S, BLOCK=PLACE_BLOCK, EVICT=evicting,
         )
         if evicting:
-            self._protected[used] = 0
             v = victim.bool()
             evicted = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])
         _write_slots_kernel[_grid(M, FIND_BLOCK)](
@@ -526,7 +527,7 @@ class TritonHashTable(ReferenceHashTable):
         values = torch.empty(total, self.row_dim, dtype=self.dtype, device=self.device)
         if total:
             _export_kernel[(n_blocks,)](
-                self.keys, self.scores, self.values, self.capacity, ms, starts, keys, values, scores, self.row_dim,
+                self.keys, self.scores, self.values, self.capacity, ms, starts, keys, values, scores, self.row_dim, self.row_stride,
                 BLOCK=self.EXPORT_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.row_dim)), FILTER=filt,
             )
         return keys, values, scores
