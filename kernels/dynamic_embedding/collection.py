@@ -25,7 +25,9 @@ import torch
 import triton
 
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
-from .multi_table_kernels import _gather_kernel, _init_rows_kernel, _segment_sum_kernel, _zero_split_segments_kernel
+from .multi_table_kernels import (
+    _count_kernel, _gather_kernel, _init_rows_kernel, _pack_kernel, _segment_sum_kernel, _zero_split_segments_kernel,
+)
 from .triton_optimizers import SLOT_BITS, fused_update
 from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe
 
@@ -120,7 +122,7 @@ class _Group:
         tids, starts, bounds = self._cached("lanes", sizes, make)
         return (tids, bounds) if ends else (tids, starts)
 
-    def _lane_scores(self, tids: torch.Tensor) -> torch.Tensor:
+    def _table_scores(self) -> torch.Tensor:
         def score(m: DynamicEmbedding) -> int:
             if m.config.read_only:
                 return torch.iinfo(torch.int64).min  # never raises a score
@@ -128,11 +130,16 @@ class _Group:
                 return (m.epoch << 32) | (m.step & 0xFFFFFFFF)
             return m.step
         scores = [score(m) for m in self.members]
-        return self._cached("scores", tuple(scores), lambda: _to_device(scores, torch.int64, self.device))[tids.long()]
+        return self._cached("scores", tuple(scores), lambda: _to_device(scores, torch.int64, self.device))
+
+    def _flat_ids(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device == self.device and x.dtype == torch.int64 and x.dim() == 1:
+            return x
+        return x.to(self.device, torch.int64).reshape(-1)
 
     # ---- lookup ---------------------------------------------------------------------------
     def lookup(self, given: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
-        ids = [x.to(self.device, torch.int64).reshape(-1) for x in given]
+        ids = [self._flat_ids(x) for x in given]
         sizes = tuple(x.numel() for x in ids)
         n = sum(sizes)
         out = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
@@ -141,28 +148,29 @@ class _Group:
         keys = torch.cat(ids)
         tids, _ = self._lanes(sizes)
         if train:
-            slots, inserted, evicted, missed = self._claim(keys, tids, out)
+            slots, inserted, missed = self._claim(keys, tids, out)
             _init_rows_kernel[(triton.cdiv(n, LANE_BLOCK),)](
                 keys, tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim, self.row_stride,
                 BLOCK=LANE_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
             )
         else:
             slots = probe(self._descriptors(), keys, self.bucket_size, self.row_stride, tids, out=out)
-            missed, inserted, evicted = slots < 0, None, None
+            missed = slots < 0
         self._gather(keys, tids, slots, missed, out)
         self.routing = self._route(tuple(given), keys, tids, slots)
-        self._count(train, inserted, evicted)
+        self._count(train)
         return list(out.split(sizes))
 
     def _claim(self, keys, tids, out):
         """find_or_insert over every table, growing those that need it (then again)."""
         desc = self._descriptors()
-        slots, inserted, evicted, _, _, missed = claim(
-            desc, keys, self._lane_scores(tids), self.bucket_size, tids, out=out, row_stride=self.row_stride
+        slots, inserted, _, _, _, missed = claim(
+            desc, keys, self._table_scores(), self.bucket_size, tids, out=out, row_stride=self.row_stride,
+            table_scores=True, counts=self._counts,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:
-            return slots, inserted, evicted, missed
+            return slots, inserted, missed
         full = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
         full.index_add_(0, tids.long(), (slots == -2).long())
         full = full.tolist()  # the one wait for the GPU, while some table can still grow
@@ -171,11 +179,11 @@ class _Group:
             if full[i] or self.members[i].table.size() > self.members[i].table.max_load_factor * self.members[i].table.capacity
         ]
         if not grow:
-            return slots, inserted, evicted, missed
+            return slots, inserted, missed
         for t in grow:
             t._grow()
-        again, inserted_again, evicted_again, _ = self._claim(keys, tids, out)
-        return again, inserted | inserted_again, evicted | evicted_again, torch.ones_like(missed)
+        again, inserted_again, _ = self._claim(keys, tids, out)
+        return again, inserted | inserted_again, torch.ones_like(missed)
 
     def _gather(self, keys, tids, slots, todo, out) -> None:
         n = keys.numel()
@@ -185,46 +193,31 @@ class _Group:
         )
 
     def _route(self, ids: tuple, keys, tids, slots) -> _Routing:
-        """Sorts the lanes by row (packed (table, slot)): lanes of one row form a segment.
-        Lanes without a row sort first: sign bit, table in bits 56-62, then the key's low 56
-        bits (keys equal in those count once in the statistics)."""
-        t64 = tids.long()
-        no_row = (keys & ((1 << 56) - 1)) | (t64 << 56) | torch.iinfo(torch.int64).min
-        packed = torch.where(slots >= 0, (t64 << SLOT_BITS.value) | slots, no_row)
+        """Sorts the lanes by their sort key (_pack_kernel): lanes of one row form a
+        segment."""
+        n = keys.numel()
+        packed = torch.empty_like(keys)
+        _pack_kernel[(triton.cdiv(n, 1024),)](keys, tids, slots, n, packed, BLOCK=1024)
         ordered, order = torch.sort(packed, stable=True)
-        first = torch.ones_like(ordered, dtype=torch.bool)
-        first[1:] = ordered[1:] != ordered[:-1]
-        seg = torch.cumsum(first, 0) - 1
+        new = torch.zeros(n, dtype=torch.bool, device=self.device)
+        torch.ne(ordered[1:], ordered[:-1], out=new[1:])
+        seg = torch.cumsum(new, 0)
         rows = torch.empty_like(ordered).scatter_(0, seg, ordered)
         return _Routing(ids, self._storage(), tids, order, seg, seg[-1:] + 1, rows, ordered)
 
-    def _count(self, train: bool, inserted, evicted) -> None:
-        """Adds this lookup's per-table counts (COUNTED) to the members' counters. Sorted
-        lanes are grouped by table (rowless ones first), so a table's distinct ids are the
-        segments between two sorted positions found by binary search; its inserts and
-        evictions are sums over its lanes, read off one running sum."""
+    def _count(self, train: bool) -> None:
+        """Adds this lookup's distinct ids per table to the members' counters (the claim
+        counted inserts and evictions)."""
         r = self.routing
-        n, T = r.seg.numel(), len(self.members)
-        segments_before = torch.cat([r.seg.new_zeros(1), r.seg + 1])[torch.searchsorted(r.ordered, self._table_bounds)]
-        distinct = segments_before.view(2, T + 1).diff(dim=1)  # (rowless, stored) ids per table
-        delta = torch.zeros(T, 5, dtype=torch.int64, device=self.device)
-        delta[:, 0] = distinct.sum(0)
-        delta[:, 1] = distinct[1]  # hits: stored ids, less those this call inserted (below)
-        if train:
-            sums = torch.cat([r.seg.new_zeros(1), torch.cumsum(torch.stack([inserted, evicted]).view(-1), 0)])
-            _, bounds = self._lanes(tuple(x.numel() for x in r.ids), ends=True)
-            per_table = sums[bounds[None, :] + n * torch.arange(2, device=self.device)[:, None]].diff(dim=1)
-            delta[:, 2], delta[:, 4] = per_table[0], per_table[1]
-            delta[:, 1] -= per_table[0]
-            delta[:, 3] = distinct[0] * self._inserting  # read-only features do not reject, they serve
-        self._counts += delta
+        T = len(self.members)
+        _count_kernel[(T,)](r.ordered, r.seg, r.seg.numel(), self._table_bounds, self._counts, self._inserting, T, TRAIN=train)
 
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
         """present[i]: member i takes part (its step advances)."""
         r = self.routing
         if r is None or len(r.ids) != len(given) or any(a is not b for a, b in zip(r.ids, given)) or r.storage != self._storage():
-            ids = [x.to(self.device, torch.int64).reshape(-1) for x in given]
+            ids = [self._flat_ids(x) for x in given]
             sizes = tuple(x.numel() for x in ids)
             keys = torch.cat(ids) if sum(sizes) else torch.empty(0, dtype=torch.int64, device=self.device)
             tids, _ = self._lanes(sizes)
@@ -234,7 +227,8 @@ class _Group:
         n = r.order.numel()
         if n == 0:
             return
-        grads = [g.to(self.device, torch.float32).contiguous() for g in grads]
+        grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
+                 else g.to(self.device, torch.float32).contiguous() for g in grads]
         _, starts = self._lanes(tuple(x.numel() for x in r.ids))
         ptrs = [g.data_ptr() for g in grads]
         grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))

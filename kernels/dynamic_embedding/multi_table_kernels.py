@@ -6,6 +6,7 @@ Rows are addressed as packed (table << SLOT_BITS) | slot; tables through descrip
 import triton
 import triton.language as tl
 
+from .triton_optimizers import SLOT_BITS
 from .triton_table import _VALUES, _field, _hash
 
 
@@ -114,3 +115,55 @@ def _segment_sum_kernel(
     out = sums_ptr + seg[:, None] * dim + cols[None, :]
     tl.store(out, acc, mask=m & (ends & whole)[:, None])
     tl.atomic_add(out, acc, mask=m & (ends & ~whole)[:, None])
+
+
+@triton.jit
+def _pack_kernel(key_ptr, tid_ptr, slot_ptr, n, packed_ptr, BLOCK: tl.constexpr):
+    """The sort key of each lane: (table << SLOT_BITS) | slot for a lane with a row; else
+    the sign bit, the table in bits 56-62 and the key's low 56 bits, so rowless lanes sort
+    first, by table."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + offs, mask=live, other=0)
+    key = tl.load(key_ptr + offs, mask=live, other=0)
+    rowless = (key & ((1 << 56) - 1)) | (t << 56) | (-9223372036854775807 - 1)
+    tl.store(packed_ptr + offs, tl.where(slot >= 0, (t << SLOT_BITS) | slot, rowless), mask=live)
+
+
+@triton.jit
+def _lower_bound(ptr, n, value):
+    """First position of the sorted ptr[0:n] whose value is >= value."""
+    lo = tl.zeros([], dtype=tl.int64)
+    hi = lo + n
+    for _ in range(64):
+        mid = (lo + hi) // 2
+        below = (lo < hi) & (tl.load(ptr + mid, mask=lo < hi, other=value) < value)
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where((lo < hi) & ~below, mid, hi)
+    return lo
+
+
+@triton.jit
+def _segments_before(seg_ptr, p):
+    """Distinct rows among the first p sorted lanes (seg counts from 0)."""
+    return tl.where(p > 0, tl.load(seg_ptr + p - 1, mask=p > 0, other=0) + 1, 0)
+
+
+@triton.jit
+def _count_kernel(ordered_ptr, seg_ptr, n, bounds_ptr, counts_ptr, inserting_ptr, tables, TRAIN: tl.constexpr):
+    """Program t adds table t's distinct ids of this lookup to counts[t]: lookups, hits
+    (stored ids; the claim took off those it inserted) and, when training a table that
+    inserts, rejections (ids left without a row). Its lanes lie between binary-searched
+    positions of the sorted sort keys: bounds[t] and bounds[t + 1] for rowless lanes,
+    bounds[tables + 1 + t] and the next for stored ones."""
+    t = tl.program_id(0)
+    rowless = _segments_before(seg_ptr, _lower_bound(ordered_ptr, n, tl.load(bounds_ptr + t + 1))) - _segments_before(
+        seg_ptr, _lower_bound(ordered_ptr, n, tl.load(bounds_ptr + t)))
+    stored = _segments_before(seg_ptr, _lower_bound(ordered_ptr, n, tl.load(bounds_ptr + tables + 2 + t))) - _segments_before(
+        seg_ptr, _lower_bound(ordered_ptr, n, tl.load(bounds_ptr + tables + 1 + t)))
+    row = counts_ptr + t * 5
+    tl.store(row, tl.load(row) + rowless + stored)
+    tl.store(row + 1, tl.load(row + 1) + stored)
+    if TRAIN:
+        tl.store(row + 3, tl.load(row + 3) + rowless * tl.load(inserting_ptr + t))

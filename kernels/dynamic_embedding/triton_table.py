@@ -56,12 +56,13 @@ def _field(desc_ptr, t, word: tl.constexpr):
 def _find_kernel(
     query_ptr, tid_ptr, n, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride, score_ptr, call,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr, TOUCH: tl.constexpr,
-    MULTI: tl.constexpr,
+    MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
 ):
     """slot of each query key in its table (or -1); MULTI: table tid[i], else table 0.
     GATHER: also copy the first out_dim values of found rows into out (rows of missing keys
     are left untouched). TOUCH: a found row's score becomes the highest score any copy of
-    its key brings, and the row is marked used by `call` (protected from its evictions)."""
+    its key brings, and the row is marked used by `call` (protected from its evictions).
+    TABLE_SCORES: scores are per table (score[t]), not per key."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     if MULTI:
@@ -83,7 +84,11 @@ def _find_kernel(
     tl.store(slot_ptr + offs, slot, mask=live)
     if TOUCH:
         scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
-        tl.atomic_max(scores_base + slot, tl.load(score_ptr + offs, mask=live, other=0), mask=found)
+        if TABLE_SCORES:
+            score = tl.load(score_ptr + t, mask=live, other=0)
+        else:
+            score = tl.load(score_ptr + offs, mask=live, other=0)
+        tl.atomic_max(scores_base + slot, score, mask=found)
         marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
         tl.store(marks + slot, tl.full([BLOCK], call, tl.int32), mask=found)
     if GATHER:
@@ -195,14 +200,17 @@ def _export_kernel(
 @triton.jit(do_not_specialize=["call"])
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr, call,
-    BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr,
+    counts_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """Fast mode, pass 2, for keys pass 1 did not find. Each key takes its bucket's lock,
     then looks for itself again (a copy may have stored it), else takes the first empty
     slot, else (EVICT) the lowest (score, slot) row not used by this call, if that score is
     <= its own. Under GROW a full bucket gives slot -2 (the caller grows and retries);
     under KEEP, and when no row may be evicted, the key is not stored (slot -1). A key
-    stored here is marked used by `call` at once, so no later key of the call evicts it."""
+    stored here is marked used by `call` at once, so no later key of the call evicts it.
+    COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
+    inserted is no hit), each eviction adds to counts[t, 4]."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     slot = tl.load(slot_ptr + offs, mask=live, other=0)
@@ -214,7 +222,10 @@ def _claim_kernel(
         mode = _field(desc_ptr, t, _MODE)
         key = tl.load(query_ptr + offs, mask=live, other=0)
         active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
-        score = tl.load(score_ptr + offs, mask=active, other=0)
+        if TABLE_SCORES:
+            score = tl.load(score_ptr + t, mask=active, other=0)
+        else:
+            score = tl.load(score_ptr + offs, mask=active, other=0)
         h = _hash(key)
         digest = _digest(h)
         bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
@@ -270,6 +281,11 @@ def _claim_kernel(
             tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
             active = active & ~got
         tl.store(slot_ptr + offs, slot, mask=live)
+        if COUNT:
+            ones = tl.full([BLOCK], 1, tl.int64)
+            tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0)
+            tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0)
+            tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0)
         tl.store(inserted_ptr + offs, inserted, mask=live)
         tl.store(evicted_ptr + offs, evicted, mask=live)
         tl.store(victim_key_ptr + offs, victim_key, mask=live)
@@ -319,11 +335,12 @@ FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 2
 
 def probe(
     desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, touch: torch.Tensor | None = None, call: int = 0,
+    out: torch.Tensor | None = None, touch: torch.Tensor | None = None, call: int = 0, table_scores: bool = False,
 ) -> torch.Tensor:
     """Slots of keys (-1 if absent) in the tables of `desc` ((T, DESCRIPTOR_WORDS); key i in
     table tids[i], or all in table 0). `out` (N, d) receives the first d values of found
-    rows; `touch` (N,) scores raise found rows' scores and mark them used by `call`."""
+    rows; `touch` (N,) scores, or (T,) with table_scores, raise found rows' scores and mark
+    them used by `call`."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     if n == 0:
@@ -333,30 +350,33 @@ def probe(
         keys, tids if tids is not None else keys, n, desc, slots, out if out is not None else slots, out_dim, row_stride,
         touch if touch is not None else keys, call,
         BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
-        GATHER=out is not None, TOUCH=touch is not None, MULTI=tids is not None, num_warps=FIND_WARPS,
+        GATHER=out is not None, TOUCH=touch is not None, MULTI=tids is not None, TABLE_SCORES=table_scores,
+        num_warps=FIND_WARPS,
     )
     return slots
 
 
 def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, row_stride: int = 0,
+    out: torch.Tensor | None = None, row_stride: int = 0, table_scores: bool = False, counts: torch.Tensor | None = None,
 ):
     """Fast find_or_insert on the tables of `desc`: one probe that raises and protects found
     rows (and copies them into `out`, as probe), then one claim launch for the keys not
     found. Returns (slots, inserted, evicted, victim_keys, victim_scores, missed), all (N,):
     an evicted lane's slot still holds its victim's row; missed: not found by the probe.
-    Found and inserted rows are marked used by this call: none of its keys evicts them."""
+    Found and inserted rows are marked used by this call: none of its keys evicts them.
+    table_scores: `scores` are per table; counts: (T, 5) counters (see _claim_kernel)."""
     n = keys.numel()
     call = new_call()
-    slots = probe(desc, keys, bucket_size, row_stride, tids, out=out, touch=scores, call=call)
+    slots = probe(desc, keys, bucket_size, row_stride, tids, out=out, touch=scores, call=call, table_scores=table_scores)
     missed = slots < 0
     flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
         _claim_kernel[_grid(n, PLACE_BLOCK)](
             keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1], call,
-            BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None, num_warps=PLACE_WARPS,
+            counts if counts is not None else keys, BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None,
+            TABLE_SCORES=table_scores, COUNT=counts is not None, num_warps=PLACE_WARPS,
         )
     return slots, flags[0], flags[1], victims[0], victims[1], missed
 
