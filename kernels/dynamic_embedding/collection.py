@@ -166,7 +166,7 @@ class _Group:
         desc = self._descriptors()
         slots, inserted, _, _, _, missed = claim(
             desc, keys, self._table_scores(), self.bucket_size, tids, out=out, row_stride=self.row_stride,
-            table_scores=True, counts=self._counts,
+            table_scores=True, counts=self._counts, span=16,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:
@@ -234,7 +234,7 @@ class _Group:
         grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
         sums = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
         tiles, dim_block = triton.cdiv(n, SUM_TILE), triton.next_power_of_2(self.dim)
-        _zero_split_segments_kernel[(tiles,)](r.seg, n, sums, self.dim, TILE=SUM_TILE, DIM=dim_block)
+        _zero_split_segments_kernel[(triton.cdiv(tiles, 64),)](r.seg, n, sums, self.dim, TILE=SUM_TILE, BOUNDS=64, DIM=dim_block)
         _segment_sum_kernel[(tiles,)](r.order, r.seg, r.tids, n, grad_ptrs, starts, sums, self.dim, TILE=SUM_TILE, DIM=dim_block)
         fused_update(self.optimizer, self.members[0].table.values, r.rows, sums, self.dim, desc=self._descriptors(), count=r.count)
         self.routing = None

@@ -76,14 +76,15 @@ def _same_segment(s1, v1, s2, v2):
 
 
 @triton.jit
-def _zero_split_segments_kernel(seg_ptr, n, sums_ptr, dim, TILE: tl.constexpr, DIM: tl.constexpr):
-    """Zeroes the sum of each segment that crosses a tile boundary (summed with atomics)."""
-    b = (tl.program_id(0) + 1) * TILE
-    if b < n:
-        s = tl.load(seg_ptr + b)
-        if tl.load(seg_ptr + b - 1) == s:
-            cols = tl.arange(0, DIM)
-            tl.store(sums_ptr + s * dim + cols, tl.zeros([DIM], tl.float32), mask=cols < dim)
+def _zero_split_segments_kernel(seg_ptr, n, sums_ptr, dim, TILE: tl.constexpr, BOUNDS: tl.constexpr, DIM: tl.constexpr):
+    """Zeroes the sum of each segment that crosses a tile boundary (summed with atomics);
+    BOUNDS boundaries per program."""
+    b = (tl.program_id(0) * BOUNDS + tl.arange(0, BOUNDS) + 1) * TILE
+    s = tl.load(seg_ptr + b, mask=b < n, other=-1)
+    split = (b < n) & (tl.load(seg_ptr + b - 1, mask=b < n, other=-2) == s)
+    cols = tl.arange(0, DIM)
+    zero = tl.zeros([BOUNDS, DIM], tl.float32)
+    tl.store(sums_ptr + s[:, None] * dim + cols[None, :], zero, mask=split[:, None] & (cols[None, :] < dim))
 
 
 @triton.jit

@@ -201,7 +201,7 @@ def _export_kernel(
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr, call,
     counts_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
-    COUNT: tl.constexpr,
+    COUNT: tl.constexpr, SPAN: tl.constexpr,
 ):
     """Fast mode, pass 2, for keys pass 1 did not find. Each key takes its bucket's lock,
     then looks for itself again (a copy may have stored it), else takes the first empty
@@ -211,85 +211,86 @@ def _claim_kernel(
     stored here is marked used by `call` at once, so no later key of the call evicts it.
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
     inserted is no hit), each eviction adds to counts[t, 4]."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    slot = tl.load(slot_ptr + offs, mask=live, other=0)
-    if tl.max((live & (slot < 0)).to(tl.int32), axis=0) > 0:  # most programs have nothing to place
-        if MULTI:
-            t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-        else:
-            t = tl.zeros([BLOCK], dtype=tl.int64)
-        mode = _field(desc_ptr, t, _MODE)
-        key = tl.load(query_ptr + offs, mask=live, other=0)
-        active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
-        if TABLE_SCORES:
-            score = tl.load(score_ptr + t, mask=active, other=0)
-        else:
-            score = tl.load(score_ptr + offs, mask=active, other=0)
-        h = _hash(key)
-        digest = _digest(h)
-        bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
-        cols = tl.arange(0, BUCKET)[None, :]
-        slots = bucket[:, None] * BUCKET + cols
-        keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
-        digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
-        scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
-        marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
-        lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
-        inserted = tl.zeros([BLOCK], dtype=tl.int8)
-        evicted = tl.zeros([BLOCK], dtype=tl.int8)
-        victim_key = tl.zeros([BLOCK], dtype=tl.int64)
-        victim_score = tl.zeros([BLOCK], dtype=tl.int64)
-        big = 9223372036854775807
-        while tl.max(active.to(tl.int32), axis=0) > 0:
-            # inactive lanes compare-and-swap their own slot entry against a value it never
-            # holds: a no-op on an address no other lane touches
-            target_lock = tl.where(active, lock, slot_ptr + offs)
-            expect = tl.where(active, 0, -3).to(tl.int64)
-            got = active & (tl.atomic_cas(target_lock, expect, tl.full([BLOCK], 1, tl.int64), sem="acquire") == 0)
-            # under the lock: reads go through L2, where the previous holder's writes are
-            digests = tl.load(digests_base[:, None] + slots, mask=got[:, None], other=0, cache_modifier=".cg")
-            maybe = got[:, None] & (digests == digest[:, None])
-            keys = tl.load(keys_base[:, None] + slots, mask=maybe, other=0, cache_modifier=".cg")
-            hit = maybe & (keys == key[:, None])
-            found = tl.max(hit.to(tl.int32), axis=1) > 0
-            hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
-            tl.atomic_max(scores_base + hit_slot, score, mask=found)  # a copy stored it first
-            empty = got[:, None] & (digests == 0)
-            has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
-            first_empty = tl.min(tl.where(empty, cols, BUCKET), axis=1)
-            evicting = got & ~found & ~has_empty & (mode == 2)
-            protected = tl.load(marks[:, None] + slots, mask=evicting[:, None], other=call, cache_modifier=".cg") == call
-            row_scores = tl.load(scores_base[:, None] + slots, mask=evicting[:, None], other=0, cache_modifier=".cg")
-            cand = evicting[:, None] & ~protected
-            lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
-            victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
-            can_evict = evicting & (victim_col < BUCKET) & (lowest <= score)
-            place = got & ~found & (has_empty | can_evict)
-            target = bucket * BUCKET + tl.where(has_empty, first_empty, victim_col)
-            old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
-            tl.store(keys_base + target, key, mask=place)
-            tl.store(scores_base + target, score, mask=place)
-            tl.store(digests_base + target, digest, mask=place)
-            tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=place)
-            refused = tl.where(mode == 1, -2, -1)
-            slot = tl.where(found, hit_slot, tl.where(place, target, tl.where(got, refused, slot)))
-            inserted = tl.where(place, 1, inserted).to(tl.int8)
-            evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
-            victim_key = tl.where(can_evict, old_key, victim_key)
-            victim_score = tl.where(can_evict, lowest, victim_score)
-            tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
-            active = active & ~got
-        tl.store(slot_ptr + offs, slot, mask=live)
-        if COUNT:
-            ones = tl.full([BLOCK], 1, tl.int64)
-            tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0)
-            tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0)
-            tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0)
-        tl.store(inserted_ptr + offs, inserted, mask=live)
-        tl.store(evicted_ptr + offs, evicted, mask=live)
-        tl.store(victim_key_ptr + offs, victim_key, mask=live)
-        tl.store(victim_score_ptr + offs, victim_score, mask=live)
+    for sub in range(0, SPAN):  # SPAN blocks of BLOCK keys: few have a key to place
+        offs = (tl.program_id(0) * SPAN + sub) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < n
+        slot = tl.load(slot_ptr + offs, mask=live, other=0)
+        if tl.max((live & (slot < 0)).to(tl.int32), axis=0) > 0:  # most programs have nothing to place
+            if MULTI:
+                t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+            else:
+                t = tl.zeros([BLOCK], dtype=tl.int64)
+            mode = _field(desc_ptr, t, _MODE)
+            key = tl.load(query_ptr + offs, mask=live, other=0)
+            active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
+            if TABLE_SCORES:
+                score = tl.load(score_ptr + t, mask=active, other=0)
+            else:
+                score = tl.load(score_ptr + offs, mask=active, other=0)
+            h = _hash(key)
+            digest = _digest(h)
+            bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
+            cols = tl.arange(0, BUCKET)[None, :]
+            slots = bucket[:, None] * BUCKET + cols
+            keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
+            digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
+            scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
+            marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
+            lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
+            inserted = tl.zeros([BLOCK], dtype=tl.int8)
+            evicted = tl.zeros([BLOCK], dtype=tl.int8)
+            victim_key = tl.zeros([BLOCK], dtype=tl.int64)
+            victim_score = tl.zeros([BLOCK], dtype=tl.int64)
+            big = 9223372036854775807
+            while tl.max(active.to(tl.int32), axis=0) > 0:
+                # inactive lanes compare-and-swap their own slot entry against a value it never
+                # holds: a no-op on an address no other lane touches
+                target_lock = tl.where(active, lock, slot_ptr + offs)
+                expect = tl.where(active, 0, -3).to(tl.int64)
+                got = active & (tl.atomic_cas(target_lock, expect, tl.full([BLOCK], 1, tl.int64), sem="acquire") == 0)
+                # under the lock: reads go through L2, where the previous holder's writes are
+                digests = tl.load(digests_base[:, None] + slots, mask=got[:, None], other=0, cache_modifier=".cg")
+                maybe = got[:, None] & (digests == digest[:, None])
+                keys = tl.load(keys_base[:, None] + slots, mask=maybe, other=0, cache_modifier=".cg")
+                hit = maybe & (keys == key[:, None])
+                found = tl.max(hit.to(tl.int32), axis=1) > 0
+                hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
+                tl.atomic_max(scores_base + hit_slot, score, mask=found)  # a copy stored it first
+                empty = got[:, None] & (digests == 0)
+                has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
+                first_empty = tl.min(tl.where(empty, cols, BUCKET), axis=1)
+                evicting = got & ~found & ~has_empty & (mode == 2)
+                protected = tl.load(marks[:, None] + slots, mask=evicting[:, None], other=call, cache_modifier=".cg") == call
+                row_scores = tl.load(scores_base[:, None] + slots, mask=evicting[:, None], other=0, cache_modifier=".cg")
+                cand = evicting[:, None] & ~protected
+                lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
+                victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
+                can_evict = evicting & (victim_col < BUCKET) & (lowest <= score)
+                place = got & ~found & (has_empty | can_evict)
+                target = bucket * BUCKET + tl.where(has_empty, first_empty, victim_col)
+                old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
+                tl.store(keys_base + target, key, mask=place)
+                tl.store(scores_base + target, score, mask=place)
+                tl.store(digests_base + target, digest, mask=place)
+                tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=place)
+                refused = tl.where(mode == 1, -2, -1)
+                slot = tl.where(found, hit_slot, tl.where(place, target, tl.where(got, refused, slot)))
+                inserted = tl.where(place, 1, inserted).to(tl.int8)
+                evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
+                victim_key = tl.where(can_evict, old_key, victim_key)
+                victim_score = tl.where(can_evict, lowest, victim_score)
+                tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
+                active = active & ~got
+            tl.store(slot_ptr + offs, slot, mask=live)
+            if COUNT:
+                ones = tl.full([BLOCK], 1, tl.int64)
+                tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0)
+                tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0)
+                tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0)
+            tl.store(inserted_ptr + offs, inserted, mask=live)
+            tl.store(evicted_ptr + offs, evicted, mask=live)
+            tl.store(victim_key_ptr + offs, victim_key, mask=live)
+            tl.store(victim_score_ptr + offs, victim_score, mask=live)
 
 
 @triton.jit
@@ -359,13 +360,15 @@ def probe(
 def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     out: torch.Tensor | None = None, row_stride: int = 0, table_scores: bool = False, counts: torch.Tensor | None = None,
+    span: int = 1,
 ):
     """Fast find_or_insert on the tables of `desc`: one probe that raises and protects found
     rows (and copies them into `out`, as probe), then one claim launch for the keys not
     found. Returns (slots, inserted, evicted, victim_keys, victim_scores, missed), all (N,):
     an evicted lane's slot still holds its victim's row; missed: not found by the probe.
     Found and inserted rows are marked used by this call: none of its keys evicts them.
-    table_scores: `scores` are per table; counts: (T, 5) counters (see _claim_kernel)."""
+    table_scores: `scores` are per table; counts: (T, 5) counters (see _claim_kernel).
+    span: blocks of keys per claim program (more when few keys are expected to be new)."""
     n = keys.numel()
     call = new_call()
     slots = probe(desc, keys, bucket_size, row_stride, tids, out=out, touch=scores, call=call, table_scores=table_scores)
@@ -373,10 +376,10 @@ def claim(
     flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
-        _claim_kernel[_grid(n, PLACE_BLOCK)](
+        _claim_kernel[_grid(n, PLACE_BLOCK * span)](
             keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1], call,
             counts if counts is not None else keys, BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None,
-            TABLE_SCORES=table_scores, COUNT=counts is not None, num_warps=PLACE_WARPS,
+            TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=span, num_warps=PLACE_WARPS,
         )
     return slots, flags[0], flags[1], victims[0], victims[1], missed
 
