@@ -56,7 +56,7 @@ def _field(desc_ptr, t, word: tl.constexpr):
 def _find_kernel(
     query_ptr, tid_ptr, n, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride, score_ptr, call,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr, TOUCH: tl.constexpr,
-    MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
+    MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """slot of each query key in its table (or -1); MULTI: table tid[i], else table 0.
     GATHER: also copy the first out_dim values of found rows into out (rows of missing keys
@@ -72,12 +72,14 @@ def _find_kernel(
     key = tl.load(query_ptr + offs, mask=live, other=0)
     h = _hash(key)
     bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
-    slots = bucket[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
-    digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
-    keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
-    digests = tl.load(digests_base[:, None] + slots, mask=live[:, None], other=0)
+    cols = tl.arange(0, BUCKET)[None, :]
+    slots = bucket[:, None] * BUCKET + cols
+    # bucket rows start aligned (ALIGN: bucket_size up to 16), so they load in wide vectors
+    digest_row = tl.multiple_of(_field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8)) + bucket * BUCKET, ALIGN)
+    key_row = tl.multiple_of(_field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + bucket * BUCKET, ALIGN)
+    digests = tl.load(digest_row[:, None] + cols, mask=live[:, None], other=0)
     maybe = (digests == _digest(h)[:, None]) & live[:, None]
-    keys = tl.load(keys_base[:, None] + slots, mask=maybe, other=0)
+    keys = tl.load(key_row[:, None] + cols, mask=maybe, other=0)
     hit = maybe & (keys == key[:, None])
     found = tl.max(hit.to(tl.int32), axis=1) > 0
     slot = tl.where(found, tl.sum(tl.where(hit, slots, 0), axis=1), -1)
@@ -201,11 +203,11 @@ def _export_kernel(
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr, call,
     counts_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
-    COUNT: tl.constexpr, SPAN: tl.constexpr,
+    COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Fast mode, pass 2, for keys pass 1 did not find. Each key takes its bucket's lock,
-    then looks for itself again (a copy may have stored it), else takes the first empty
-    slot, else (EVICT) the lowest (score, slot) row not used by this call, if that score is
+    """Fast mode, pass 2, for keys pass 1 did not find. Each key looks for itself again (a
+    copy may have stored it), else takes its bucket's first empty slot, else (EVICT) under
+    the bucket's lock the lowest (score, slot) row not used by this call, if that score is
     <= its own. Under GROW a full bucket gives slot -2 (the caller grows and retries);
     under KEEP, and when no row may be evicted, the key is not stored (slot -1). A key
     stored here is marked used by `call` at once, so no later key of the call evicts it.
@@ -237,45 +239,76 @@ def _claim_kernel(
             scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
             marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
             lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
+            key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)[:, None] + cols
+            digest_row = tl.multiple_of(digests_base + bucket * BUCKET, ALIGN)[:, None] + cols
             inserted = tl.zeros([BLOCK], dtype=tl.int8)
             evicted = tl.zeros([BLOCK], dtype=tl.int8)
             victim_key = tl.zeros([BLOCK], dtype=tl.int64)
             victim_score = tl.zeros([BLOCK], dtype=tl.int64)
+            empty_key = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
             big = 9223372036854775807
             while tl.max(active.to(tl.int32), axis=0) > 0:
-                # inactive lanes compare-and-swap their own slot entry against a value it never
-                # holds: a no-op on an address no other lane touches
-                target_lock = tl.where(active, lock, slot_ptr + offs)
-                expect = tl.where(active, 0, -3).to(tl.int64)
-                got = active & (tl.atomic_cas(target_lock, expect, tl.full([BLOCK], 1, tl.int64), sem="acquire") == 0)
-                # under the lock: reads go through L2, where the previous holder's writes are
-                digests = tl.load(digests_base[:, None] + slots, mask=got[:, None], other=0, cache_modifier=".cg")
-                maybe = got[:, None] & (digests == digest[:, None])
-                keys = tl.load(keys_base[:, None] + slots, mask=maybe, other=0, cache_modifier=".cg")
+                # without a lock: find the key (a copy may have stored it), else claim the
+                # bucket's first empty slot by compare-and-swap of the key, which copies of a
+                # key all aim at. The slot is marked used before the swap, whose release
+                # makes the mark visible with the key: no evicting key takes the row. Reads
+                # go through L2, where this launch's writes are.
+                digests = tl.load(digest_row, mask=active[:, None], other=0, cache_modifier=".cg")
+                maybe = active[:, None] & (digests == digest[:, None])
+                keys = tl.load(key_row, mask=maybe, other=0, cache_modifier=".cg")
                 hit = maybe & (keys == key[:, None])
                 found = tl.max(hit.to(tl.int32), axis=1) > 0
                 hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
                 tl.atomic_max(scores_base + hit_slot, score, mask=found)  # a copy stored it first
-                empty = got[:, None] & (digests == 0)
+                slot = tl.where(found, hit_slot, slot)
+                active = active & ~found
+                empty = active[:, None] & (digests == 0)  # a zero digest may trail its key: the swap tells
                 has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
-                first_empty = tl.min(tl.where(empty, cols, BUCKET), axis=1)
-                evicting = got & ~found & ~has_empty & (mode == 2)
-                protected = tl.load(marks[:, None] + slots, mask=evicting[:, None], other=call, cache_modifier=".cg") == call
-                row_scores = tl.load(scores_base[:, None] + slots, mask=evicting[:, None], other=0, cache_modifier=".cg")
-                cand = evicting[:, None] & ~protected
+                claiming = active & has_empty
+                target = bucket * BUCKET + tl.min(tl.where(empty, cols, BUCKET), axis=1)
+                tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=claiming)
+                # lanes not claiming swap their own slot entry against a value it never holds
+                old = tl.atomic_cas(
+                    tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3), tl.where(claiming, key, 0)
+                )
+                won = claiming & (old == empty_key)
+                tl.store(scores_base + target, score, mask=won)
+                tl.store(digests_base + target, digest, mask=won)
+                slot = tl.where(won, target, slot)
+                inserted = tl.where(won, 1, inserted).to(tl.int8)
+                active = active & ~won  # a lost swap reads the bucket again
+                full = active & ~has_empty
+                slot = tl.where(full & (mode != 2), tl.where(mode == 1, -2, -1), slot)
+                active = active & ~(full & (mode != 2))
+                # a full bucket, evicting: under the bucket's lock (a lane that misses it
+                # tries again next round)
+                evicting = full & (mode == 2)
+                got = evicting & (tl.atomic_cas(
+                    tl.where(evicting, lock, slot_ptr + offs), tl.where(evicting, 0, -3).to(tl.int64),
+                    tl.full([BLOCK], 1, tl.int64), sem="acquire",
+                ) == 0)
+                digests = tl.load(digest_row, mask=got[:, None], other=0, cache_modifier=".cg")
+                maybe = got[:, None] & (digests == digest[:, None])
+                keys = tl.load(key_row, mask=maybe, other=0, cache_modifier=".cg")
+                hit = maybe & (keys == key[:, None])
+                found = tl.max(hit.to(tl.int32), axis=1) > 0  # a copy evicted for it first
+                hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
+                tl.atomic_max(scores_base + hit_slot, score, mask=found)
+                choosing = got & ~found
+                protected = tl.load(marks[:, None] + slots, mask=choosing[:, None], other=call, cache_modifier=".cg") == call
+                row_scores = tl.load(scores_base[:, None] + slots, mask=choosing[:, None], other=0, cache_modifier=".cg")
+                cand = choosing[:, None] & ~protected
                 lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
                 victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
-                can_evict = evicting & (victim_col < BUCKET) & (lowest <= score)
-                place = got & ~found & (has_empty | can_evict)
-                target = bucket * BUCKET + tl.where(has_empty, first_empty, victim_col)
+                can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
+                target = bucket * BUCKET + victim_col
                 old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
-                tl.store(keys_base + target, key, mask=place)
-                tl.store(scores_base + target, score, mask=place)
-                tl.store(digests_base + target, digest, mask=place)
-                tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=place)
-                refused = tl.where(mode == 1, -2, -1)
-                slot = tl.where(found, hit_slot, tl.where(place, target, tl.where(got, refused, slot)))
-                inserted = tl.where(place, 1, inserted).to(tl.int8)
+                tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=can_evict)
+                tl.store(scores_base + target, score, mask=can_evict)
+                tl.store(digests_base + target, digest, mask=can_evict)
+                tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
+                slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
+                inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
                 evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
                 victim_key = tl.where(can_evict, old_key, victim_key)
                 victim_score = tl.where(can_evict, lowest, victim_score)
@@ -352,7 +385,7 @@ def probe(
         touch if touch is not None else keys, call,
         BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
         GATHER=out is not None, TOUCH=touch is not None, MULTI=tids is not None, TABLE_SCORES=table_scores,
-        num_warps=FIND_WARPS,
+        ALIGN=min(bucket_size, 16), num_warps=FIND_WARPS,
     )
     return slots
 
@@ -379,7 +412,7 @@ def claim(
         _claim_kernel[_grid(n, PLACE_BLOCK * span)](
             keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1], call,
             counts if counts is not None else keys, BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None,
-            TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=span, num_warps=PLACE_WARPS,
+            TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=span, ALIGN=min(bucket_size, 16), num_warps=PLACE_WARPS,
         )
     return slots, flags[0], flags[1], victims[0], victims[1], missed
 
