@@ -72,14 +72,14 @@ def _find_kernel(
     key = tl.load(query_ptr + offs, mask=live, other=0)
     h = _hash(key)
     bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
-    cols = tl.arange(0, BUCKET)[None, :]
-    slots = bucket[:, None] * BUCKET + cols
+    in_bucket = tl.arange(0, BUCKET)[None, :]
+    slots = bucket[:, None] * BUCKET + in_bucket
     # bucket rows start aligned (ALIGN: bucket_size up to 16), so they load in wide vectors
     digest_row = tl.multiple_of(_field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8)) + bucket * BUCKET, ALIGN)
     key_row = tl.multiple_of(_field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + bucket * BUCKET, ALIGN)
-    digests = tl.load(digest_row[:, None] + cols, mask=live[:, None], other=0)
+    digests = tl.load(digest_row[:, None] + in_bucket, mask=live[:, None], other=0)
     maybe = (digests == _digest(h)[:, None]) & live[:, None]
-    keys = tl.load(key_row[:, None] + cols, mask=maybe, other=0)
+    keys = tl.load(key_row[:, None] + in_bucket, mask=maybe, other=0)
     hit = maybe & (keys == key[:, None])
     found = tl.max(hit.to(tl.int32), axis=1) > 0
     slot = tl.where(found, tl.sum(tl.where(hit, slots, 0), axis=1), -1)
