@@ -68,7 +68,7 @@ def _find_kernel(
     if MULTI:
         t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
     else:
-        t = tl.zeros([BLOCK], dtype=tl.int64)
+        t = 0  # one table: its fields are scalars
     key = tl.load(query_ptr + offs, mask=live, other=0)
     h = _hash(key)
     bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
@@ -221,8 +221,8 @@ def _claim_kernel(
             if MULTI:
                 t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
             else:
-                t = tl.zeros([BLOCK], dtype=tl.int64)
-            mode = _field(desc_ptr, t, _MODE)
+                t = 0  # one table: its fields are scalars
+            mode = _field(desc_ptr, t, _MODE) + tl.zeros([BLOCK], dtype=tl.int64)  # per key, also for one table
             key = tl.load(query_ptr + offs, mask=live, other=0)
             active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
             if TABLE_SCORES:
@@ -241,6 +241,8 @@ def _claim_kernel(
             lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
             key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)[:, None] + cols
             digest_row = tl.multiple_of(digests_base + bucket * BUCKET, ALIGN)[:, None] + cols
+            score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)[:, None] + cols
+            mark_row = tl.multiple_of(marks + bucket * BUCKET, ALIGN)[:, None] + cols
             inserted = tl.zeros([BLOCK], dtype=tl.int8)
             evicted = tl.zeros([BLOCK], dtype=tl.int8)
             victim_key = tl.zeros([BLOCK], dtype=tl.int64)
@@ -295,8 +297,8 @@ def _claim_kernel(
                 hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
                 tl.atomic_max(scores_base + hit_slot, score, mask=found)
                 choosing = got & ~found
-                protected = tl.load(marks[:, None] + slots, mask=choosing[:, None], other=call, cache_modifier=".cg") == call
-                row_scores = tl.load(scores_base[:, None] + slots, mask=choosing[:, None], other=0, cache_modifier=".cg")
+                protected = tl.load(mark_row, mask=choosing[:, None], other=call, cache_modifier=".cg") == call
+                row_scores = tl.load(score_row, mask=choosing[:, None], other=0, cache_modifier=".cg")
                 cand = choosing[:, None] & ~protected
                 lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
                 victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
