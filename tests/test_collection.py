@@ -20,6 +20,10 @@ def configs(max_capacity: int) -> dict[str, EmbeddingConfig]:
         "item": EmbeddingConfig(**kw, seed=3, eviction="epoch_lru"),
         "shared": EmbeddingConfig(**kw, seed=5, read_only=True),
         "tag": EmbeddingConfig(dim=4, bucket_size=8, backend="triton", eviction="lfu", capacity=16, max_capacity=max_capacity),
+        "clipped": EmbeddingConfig(
+            dim=4, optimizer=OptimizerConfig("rowwise_adagrad", lr=0.1, max_grad_norm=0.5), bucket_size=8, backend="triton",
+            capacity=16, max_capacity=max_capacity,
+        ),
     }
 
 
@@ -34,7 +38,7 @@ def assert_same_rows(a: DynamicEmbedding, b: DynamicEmbedding) -> None:
 
 def test_collection_groups_features_by_layout():
     c = DynamicEmbeddingCollection(configs(256), DEVICE)
-    assert [g.names for g in c.groups] == [["user", "item", "shared"]] and c.single == ["tag"]
+    assert [g.names for g in c.groups] == [["user", "item", "shared"], ["clipped"]] and c.single == ["tag"]
     with pytest.raises(KeyError, match="no table for features"):
         c.lookup({"nope": torch.zeros(1, dtype=torch.int64)})
 
@@ -42,8 +46,8 @@ def test_collection_groups_features_by_layout():
 @settings(max_examples=8, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2**31 - 1), st.booleans()), min_size=1, max_size=6))
 def test_collection_trains_like_its_tables_one_by_one(steps):
-    """Growing tables: lookups, rows, scores, optimizer state and statistics equal those of
-    each feature's own DynamicEmbedding; some features sit out some calls, some calls do
+    """Growing tables (two groups and a table served alone): lookups, rows, scores,
+    optimizer state and statistics equal those of each feature's own DynamicEmbedding; some features sit out some calls, some calls do
     not train, and some updates get ids other than the lookup's."""
     cfg = configs(1 << 10)
     coll = DynamicEmbeddingCollection(cfg, DEVICE)
