@@ -203,12 +203,13 @@ def _export_kernel(
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr, call,
     counts_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
-    COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr,
+    COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
 ):
-    """Fast mode, pass 2, for keys pass 1 did not find. Each key looks for itself again (a
-    copy may have stored it), else takes its bucket's first empty slot, else (EVICT) under
-    the bucket's lock the lowest (score, slot) row not used by this call, if that score is
-    <= its own. Under GROW a full bucket gives slot -2 (the caller grows and retries);
+    """Fast mode, pass 2, for keys pass 1 did not find. PHASE 0: each key looks for itself
+    again (a copy may have stored it), else takes its bucket's first empty slot; a key
+    whose bucket is full waits (slot -3) under EVICT. PHASE 1 (a second launch, so the
+    first stays lean): a waiting key takes the bucket's lock, looks for itself again, and
+    takes the lowest (score, slot) row not used by this call, if that score is <= its own. Under GROW a full bucket gives slot -2 (the caller grows and retries);
     under KEEP, and when no row may be evicted, the key is not stored (slot -1). A key
     stored here is marked used by `call` at once, so no later key of the call evicts it.
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
@@ -217,14 +218,22 @@ def _claim_kernel(
         offs = (tl.program_id(0) * SPAN + sub) * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
         slot = tl.load(slot_ptr + offs, mask=live, other=0)
-        if tl.max((live & (slot < 0)).to(tl.int32), axis=0) > 0:  # most programs have nothing to place
+        if PHASE == 0:
+            waiting = live & (slot < 0)
+        else:
+            waiting = live & (slot == -3)
+        if tl.max(waiting.to(tl.int32), axis=0) > 0:  # most programs have nothing to place
             if MULTI:
                 t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
             else:
                 t = 0  # one table: its fields are scalars
             mode = _field(desc_ptr, t, _MODE) + tl.zeros([BLOCK], dtype=tl.int64)  # per key, also for one table
             key = tl.load(query_ptr + offs, mask=live, other=0)
-            active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
+            if PHASE == 0:
+                active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
+            else:
+                active = live & (slot == -3)
+            mine = live & (slot == -3)
             if TABLE_SCORES:
                 score = tl.load(score_ptr + t, mask=active, other=0)
             else:
@@ -249,83 +258,87 @@ def _claim_kernel(
             victim_score = tl.zeros([BLOCK], dtype=tl.int64)
             empty_key = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
             big = 9223372036854775807
-            while tl.max(active.to(tl.int32), axis=0) > 0:
-                # without a lock: find the key (a copy may have stored it), else claim the
-                # bucket's first empty slot by compare-and-swap of the key, which copies of a
-                # key all aim at. The slot is marked used before the swap, whose release
-                # makes the mark visible with the key: no evicting key takes the row. Reads
-                # go through L2, where this launch's writes are.
-                digests = tl.load(digest_row, mask=active[:, None], other=0, cache_modifier=".cg")
-                maybe = active[:, None] & (digests == digest[:, None])
-                keys = tl.load(key_row, mask=maybe, other=0, cache_modifier=".cg")
-                hit = maybe & (keys == key[:, None])
-                found = tl.max(hit.to(tl.int32), axis=1) > 0
-                hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
-                tl.atomic_max(scores_base + hit_slot, score, mask=found)  # a copy stored it first
-                slot = tl.where(found, hit_slot, slot)
-                active = active & ~found
-                empty = active[:, None] & (digests == 0)  # a zero digest may trail its key: the swap tells
-                has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
-                claiming = active & has_empty
-                target = bucket * BUCKET + tl.min(tl.where(empty, cols, BUCKET), axis=1)
-                tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=claiming)
-                # lanes not claiming swap their own slot entry against a value it never holds
-                old = tl.atomic_cas(
-                    tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3), tl.where(claiming, key, 0)
-                )
-                won = claiming & (old == empty_key)
-                tl.store(scores_base + target, score, mask=won)
-                tl.store(digests_base + target, digest, mask=won)
-                slot = tl.where(won, target, slot)
-                inserted = tl.where(won, 1, inserted).to(tl.int8)
-                active = active & ~won  # a lost swap reads the bucket again
-                full = active & ~has_empty
-                slot = tl.where(full & (mode != 2), tl.where(mode == 1, -2, -1), slot)
-                active = active & ~(full & (mode != 2))
-                # a full bucket, evicting: under the bucket's lock (a lane that misses it
-                # tries again next round)
-                evicting = full & (mode == 2)
-                got = evicting & (tl.atomic_cas(
-                    tl.where(evicting, lock, slot_ptr + offs), tl.where(evicting, 0, -3).to(tl.int64),
-                    tl.full([BLOCK], 1, tl.int64), sem="acquire",
-                ) == 0)
-                digests = tl.load(digest_row, mask=got[:, None], other=0, cache_modifier=".cg")
-                maybe = got[:, None] & (digests == digest[:, None])
-                keys = tl.load(key_row, mask=maybe, other=0, cache_modifier=".cg")
-                hit = maybe & (keys == key[:, None])
-                found = tl.max(hit.to(tl.int32), axis=1) > 0  # a copy evicted for it first
-                hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
-                tl.atomic_max(scores_base + hit_slot, score, mask=found)
-                choosing = got & ~found
-                protected = tl.load(mark_row, mask=choosing[:, None], other=call, cache_modifier=".cg") == call
-                row_scores = tl.load(score_row, mask=choosing[:, None], other=0, cache_modifier=".cg")
-                cand = choosing[:, None] & ~protected
-                lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
-                victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
-                can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
-                target = bucket * BUCKET + victim_col
-                old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
-                tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=can_evict)
-                tl.store(scores_base + target, score, mask=can_evict)
-                tl.store(digests_base + target, digest, mask=can_evict)
-                tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
-                slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
-                inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
-                evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
-                victim_key = tl.where(can_evict, old_key, victim_key)
-                victim_score = tl.where(can_evict, lowest, victim_score)
-                tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
-                active = active & ~got
+            if PHASE == 0:
+                while tl.max(active.to(tl.int32), axis=0) > 0:
+                    # without a lock: find the key (a copy may have stored it), else claim the
+                    # bucket's first empty slot by compare-and-swap of the key, which copies of a
+                    # key all aim at. The slot is marked used before the swap, whose release
+                    # makes the mark visible with the key: no evicting key takes the row. Reads
+                    # go through L2, where this launch's writes are.
+                    digests = tl.load(digest_row, mask=active[:, None], other=0, cache_modifier=".cg")
+                    maybe = active[:, None] & (digests == digest[:, None])
+                    keys = tl.load(key_row, mask=maybe, other=0, cache_modifier=".cg")
+                    hit = maybe & (keys == key[:, None])
+                    found = tl.max(hit.to(tl.int32), axis=1) > 0
+                    hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
+                    tl.atomic_max(scores_base + hit_slot, score, mask=found)  # a copy stored it first
+                    slot = tl.where(found, hit_slot, slot)
+                    active = active & ~found
+                    empty = active[:, None] & (digests == 0)  # a zero digest may trail its key: the swap tells
+                    has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
+                    claiming = active & has_empty
+                    target = bucket * BUCKET + tl.min(tl.where(empty, cols, BUCKET), axis=1)
+                    tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=claiming)
+                    # lanes not claiming swap their own slot entry against a value it never holds
+                    old = tl.atomic_cas(
+                        tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3), tl.where(claiming, key, 0)
+                    )
+                    won = claiming & (old == empty_key)
+                    tl.store(scores_base + target, score, mask=won)
+                    tl.store(digests_base + target, digest, mask=won)
+                    slot = tl.where(won, target, slot)
+                    inserted = tl.where(won, 1, inserted).to(tl.int8)
+                    active = active & ~won  # a lost swap reads the bucket again
+                    full = active & ~has_empty
+                    slot = tl.where(full, tl.where(mode == 1, -2, tl.where(mode == 2, -3, -1)), slot)
+                    active = active & ~full
+            else:
+                while tl.max(active.to(tl.int32), axis=0) > 0:
+                    # under the bucket's lock (a lane that misses it tries again next round)
+                    got = active & (tl.atomic_cas(
+                        tl.where(active, lock, slot_ptr + offs), tl.where(active, 0, -4).to(tl.int64),
+                        tl.full([BLOCK], 1, tl.int64), sem="acquire",
+                    ) == 0)
+                    digests = tl.load(digest_row, mask=got[:, None], other=0, cache_modifier=".cg")
+                    maybe = got[:, None] & (digests == digest[:, None])
+                    keys = tl.load(key_row, mask=maybe, other=0, cache_modifier=".cg")
+                    hit = maybe & (keys == key[:, None])
+                    found = tl.max(hit.to(tl.int32), axis=1) > 0  # a copy evicted for it first
+                    hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
+                    tl.atomic_max(scores_base + hit_slot, score, mask=found)
+                    choosing = got & ~found
+                    protected = tl.load(mark_row, mask=choosing[:, None], other=call, cache_modifier=".cg") == call
+                    row_scores = tl.load(score_row, mask=choosing[:, None], other=0, cache_modifier=".cg")
+                    cand = choosing[:, None] & ~protected
+                    lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
+                    victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
+                    can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
+                    target = bucket * BUCKET + victim_col
+                    old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
+                    tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=can_evict)
+                    tl.store(scores_base + target, score, mask=can_evict)
+                    tl.store(digests_base + target, digest, mask=can_evict)
+                    tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
+                    slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
+                    inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
+                    evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
+                    victim_key = tl.where(can_evict, old_key, victim_key)
+                    victim_score = tl.where(can_evict, lowest, victim_score)
+                    tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
+                    active = active & ~got
             tl.store(slot_ptr + offs, slot, mask=live)
             if COUNT:
                 ones = tl.full([BLOCK], 1, tl.int64)
                 tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0)
                 tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0)
                 tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0)
-            tl.store(inserted_ptr + offs, inserted, mask=live)
-            tl.store(evicted_ptr + offs, evicted, mask=live)
-            tl.store(victim_key_ptr + offs, victim_key, mask=live)
-            tl.store(victim_score_ptr + offs, victim_score, mask=live)
+            if PHASE == 0:
+                tl.store(inserted_ptr + offs, inserted, mask=live)
+            else:
+                tl.store(inserted_ptr + offs, inserted, mask=mine)
+                tl.store(evicted_ptr + offs, evicted, mask=mine)
+                tl.store(victim_key_ptr + offs, victim_key, mask=mine)
+                tl.store(victim_score_ptr + offs, victim_score, mask=mine)
 
 
 @triton.jit
@@ -411,11 +424,13 @@ def claim(
     flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
-        _claim_kernel[_grid(n, PLACE_BLOCK * span)](
-            keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1], call,
-            counts if counts is not None else keys, BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None,
-            TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=span, ALIGN=min(bucket_size, 16), num_warps=PLACE_WARPS,
-        )
+        for phase, blocks in ((0, span), (1, 16)):  # few keys wait for an eviction
+            _claim_kernel[_grid(n, PLACE_BLOCK * blocks)](
+                keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1], call,
+                counts if counts is not None else keys, BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None,
+                TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=blocks, ALIGN=min(bucket_size, 16), PHASE=phase,
+                num_warps=PLACE_WARPS,
+            )
     return slots, flags[0], flags[1], victims[0], victims[1], missed
 
 
