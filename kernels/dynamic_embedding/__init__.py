@@ -1,4 +1,6 @@
-"""Dynamic embedding engine: hash table, row optimizers, sharding, dump and load."""
+"""Dynamic embedding engine: hash table, row optimizers, table collections, sharding, dump
+and load."""
+from .collection import DynamicEmbeddingCollection
 from .dump import DumpError, PendingDump, dump, dump_async, load, read_manifest
 from .embedding import DynamicEmbedding, EmbeddingConfig, ShardedDynamicEmbedding, TableStats
 from .hashing import EMPTY_KEY, shard_of
@@ -7,6 +9,6 @@ from .table import MISSING, ReferenceHashTable
 
 __all__ = [
     "DumpError", "PendingDump", "dump", "dump_async", "load", "read_manifest",
-    "DynamicEmbedding", "EmbeddingConfig", "ShardedDynamicEmbedding", "TableStats",
+    "DynamicEmbedding", "DynamicEmbeddingCollection", "EmbeddingConfig", "ShardedDynamicEmbedding", "TableStats",
     "EMPTY_KEY", "shard_of", "OptimizerConfig", "MISSING", "ReferenceHashTable",
 ]
