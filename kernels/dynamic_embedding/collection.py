@@ -8,16 +8,18 @@
 Each feature keeps its own DynamicEmbedding: its own capacity, eviction, statistics and
 dumps (`tables["user"]`). Features whose tables are Triton tables in fast mode, with
 float32 rows, the lru / epoch_lru / none policy, no admission counter and no host tier,
-and that share dim, optimizer and bucket size, form a group. A group's lookup is one
-probe, one claim, one initialisation and one gather launch for all its tables, and its
-update one gradient sum and one optimizer launch over the rows the lookup deduplicated
-(by sorting the lanes by row). At max capacity none of this waits for the GPU; below it,
-one check per lookup decides whether a table must grow. Other features are served one by
-one by their DynamicEmbedding, with the same results.
+and that share dim, optimizer and bucket size, form a group. A group's lookup launches
+each kernel once for all its tables (probe, claim of empty slots, evictions, row
+initialisation, gather, sort keys, counting), and its update sums the gradients and runs
+the optimizer over the rows the lookup deduplicated (by sorting the lanes by row). At max
+capacity none of this waits for the GPU; below it, one check per lookup decides whether
+a table must grow. Other features are served one by one by their DynamicEmbedding, with
+the same results.
 
-A group differs from its features' own lookups in two ways: the reserved key (int64 min)
-is served its initial embedding and never stored instead of raising, and the gradients
-of an id's copies are summed in another order (the same sum to rounding).
+A group differs from its features' own lookups in three ways: the reserved key (int64
+min) is served its initial embedding and never stored instead of raising; the gradients
+of an id's copies are summed in another order (the same sum to rounding); and ids left
+without a row are counted (lookups, rejections) by their low 56 bits.
 """
 from dataclasses import dataclass
 

@@ -2,11 +2,18 @@
 Triton kernels.
 
 Each slot also carries a one-byte digest (the hash's top byte): a probe reads a bucket's
-digests (bucket_size bytes) and loads full keys only where the digest matches. Batch
-bookkeeping (deduplication, per-bucket ranks) stays in torch; slot choice, eviction
-victims, writes, value gathers and export compaction are kernels. New keys are placed in
-two launches, one that only reads (choose a slot) and one that only writes, so no kernel
-races with itself and the layout is the reference's, bit for bit.
+digests (bucket_size bytes) and loads full keys only where the digest matches, and the
+id of the last call that used it (a row used by a call is never evicted by that call).
+Rows are padded to a multiple of ROW_ALIGN values so they start aligned.
+
+Fast mode (the default) inserts in kernels that race safely: a new key claims an empty
+slot by compare-and-swap; keys whose bucket is full evict under the bucket's lock.
+Deterministic mode keeps batch bookkeeping (deduplication, per-bucket ranks) in torch
+and places new keys in two launches, one that only reads (choose a slot) and one that
+only writes, so the layout is the reference's, bit for bit.
+
+Probe and claim kernels address tables through descriptors (storage addresses, bucket
+mask, insert mode), so one launch can serve the many tables of a collection.
 """
 import itertools
 
@@ -14,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .table import MISSING, Evicted, ReferenceHashTable, highest_per_key
+from .table import MISSING, Evicted, ReferenceHashTable
 
 @triton.jit
 def _hash(k):
