@@ -116,3 +116,21 @@ def test_reserved_key_and_empty_calls():
     assert torch.equal(got[0], user.initial_rows(ids[:1])[0, :8])  # served, never stored
     assert user.export_rows()[0].tolist() == [7]
     assert user.stats().rejections == 1
+
+
+def test_update_after_the_tables_changed_looks_rows_up_again():
+    """Erasing and inserting between a lookup and its update move keys between slots: the
+    update must not reuse the lookup's slots."""
+    cfg = configs(256)["user"]
+    coll, alone = DynamicEmbeddingCollection({"user": cfg}, DEVICE), DynamicEmbedding(cfg, DEVICE)
+    ids = torch.arange(20, device=DEVICE)
+    coll.lookup({"user": ids})
+    alone.lookup(ids)
+    new = torch.arange(100, 140, device=DEVICE)
+    for table in (coll["user"].table, alone.table):
+        table.erase(ids[:5])
+        table.insert_or_assign(new, torch.zeros(40, table.row_dim, device=DEVICE), torch.zeros_like(new))
+    grads = torch.randn(20, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    coll.apply_gradients({"user": ids}, {"user": grads})
+    alone.apply_gradients(ids, grads)
+    assert_same_rows(coll["user"], alone)

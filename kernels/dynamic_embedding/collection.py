@@ -60,7 +60,7 @@ class _Routing:
     """One lookup's lanes sorted by row, kept for the update of the same ids."""
 
     ids: tuple  # the id tensors looked up (the update checks it gets the same ones)
-    storage: tuple  # the tables' storage then (growth moves rows)
+    placements: tuple  # the tables' placement counts after the lookup (nothing moved since)
     tids: torch.Tensor  # (N,) table of each lane
     order: torch.Tensor  # (N,) lanes sorted by packed row
     seg: torch.Tensor  # (N,) segment (distinct row) of each sorted lane
@@ -104,6 +104,9 @@ class _Group:
 
     def _storage(self) -> tuple:
         return tuple((m.table.keys.data_ptr(), m.table.num_buckets, m.table.insert_mode) for m in self.members)
+
+    def _placements(self) -> tuple:
+        return tuple(m.table.placements for m in self.members)
 
     def _descriptors(self) -> torch.Tensor:
         return self._cached("desc", self._storage(), lambda: torch.stack([
@@ -150,6 +153,8 @@ class _Group:
         keys = torch.cat(ids)
         tids, _ = self._lanes(sizes)
         if train:
+            for m in self.members:
+                m.table.placements += 1  # the claim below inserts and evicts
             slots, inserted, missed = self._claim(keys, tids, out)
             _init_rows_kernel[(triton.cdiv(n, LANE_BLOCK),)](
                 keys, tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim, self.row_stride,
@@ -205,7 +210,7 @@ class _Group:
         torch.ne(ordered[1:], ordered[:-1], out=new[1:])
         seg = torch.cumsum(new, 0)
         rows = torch.empty_like(ordered).scatter_(0, seg, ordered)
-        return _Routing(ids, self._storage(), tids, order, seg, seg[-1:] + 1, rows, ordered)
+        return _Routing(ids, self._placements(), tids, order, seg, seg[-1:] + 1, rows, ordered)
 
     def _count(self, train: bool) -> None:
         """Adds this lookup's distinct ids per table to the members' counters (the claim
@@ -218,7 +223,7 @@ class _Group:
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
         """present[i]: member i takes part (its step advances)."""
         r = self.routing
-        if r is None or len(r.ids) != len(given) or any(a is not b for a, b in zip(r.ids, given)) or r.storage != self._storage():
+        if r is None or len(r.ids) != len(given) or any(a is not b for a, b in zip(r.ids, given)) or r.placements != self._placements():
             ids = [self._flat_ids(x) for x in given]
             sizes = tuple(x.numel() for x in ids)
             keys = torch.cat(ids) if sum(sizes) else torch.empty(0, dtype=torch.int64, device=self.device)

@@ -103,6 +103,9 @@ class ReferenceHashTable:
         if bucket_size <= 0 or row_dim <= 0:
             raise ValueError("bucket_size and row_dim must be positive")
         self.row_dim = row_dim
+        # counts calls that may move keys between slots (inserts, erasures, growth): a
+        # slot looked up earlier is still the key's while it is unchanged
+        self.placements = 0
         self.bucket_size = bucket_size
         self.max_load_factor = max_load_factor
         self.evict = evict
@@ -118,6 +121,7 @@ class ReferenceHashTable:
 
     # ---- storage -------------------------------------------------------------------------
     def _allocate(self, num_buckets: int) -> None:
+        self.placements += 1
         cap = num_buckets * self.bucket_size
         self.num_buckets = num_buckets
         self.keys = torch.full((cap,), EMPTY_KEY, dtype=torch.int64, device=self.device)
@@ -172,6 +176,7 @@ class ReferenceHashTable:
         values are unspecified (a reused slot keeps old values) until the caller writes them.
         """
         keys = self._check_keys(keys)
+        self.placements += 1
         evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
         if keys.numel() == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -261,6 +266,7 @@ class ReferenceHashTable:
         return slots.numel()
 
     def _clear(self, slots: torch.Tensor) -> None:
+        self.placements += 1
         self.keys[slots] = EMPTY_KEY
         self.scores[slots] = 0
 

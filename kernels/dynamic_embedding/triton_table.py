@@ -489,6 +489,7 @@ class TritonHashTable(ReferenceHashTable):
         if self.deterministic:
             return super().find_or_insert(keys, scores)
         keys = self._check_keys(keys).contiguous()
+        self.placements += 1
         scores = scores.to(self.device, torch.int64).contiguous()
         slots, inserted, evicted, victim_keys, victim_scores, _ = claim(self._descriptor, keys, scores, self.bucket_size)
         if self.insert_mode == GROW and keys.numel():
