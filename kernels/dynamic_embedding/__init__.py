@@ -2,8 +2,7 @@
 and load."""
 from .collection import DynamicEmbeddingCollection
 from .dump import DumpError, PendingDump, dump, dump_async, load, read_manifest
-from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
-from .sharded import ShardedDynamicEmbedding
+from .embedding import DynamicEmbedding, EmbeddingConfig, ShardedDynamicEmbedding, TableStats
 from .hashing import EMPTY_KEY, shard_of
 from .optimizers import OptimizerConfig
 from .table import MISSING, ReferenceHashTable

@@ -27,8 +27,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .embedding import EmbeddingConfig
-from .sharded import ShardedDynamicEmbedding
+from .embedding import EmbeddingConfig, ShardedDynamicEmbedding
 from .hashing import shard_of
 
 FORMAT = "hstu-dynamic-embedding-dump"

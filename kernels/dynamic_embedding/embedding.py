@@ -1,7 +1,8 @@
 """Dynamic embeddings: raw int64 ids → rows of a hash table, created on first sight.
 
-`DynamicEmbedding` is one rank's table (`ShardedDynamicEmbedding`, in sharded.py, spreads
-rows over the ranks of a process group). Both have the same calls:
+`DynamicEmbedding` is one rank's table; `ShardedDynamicEmbedding` spreads rows across the
+ranks of a process group by key hash and exchanges ids, rows and gradients with all-to-all.
+Both have the same calls:
 
     emb = table.lookup(ids)                 # (N, dim); inserts unseen ids when training
     ...loss.backward() through emb (a leaf with requires_grad)...
@@ -12,9 +13,10 @@ Rows are not autograd parameters: DDP and dense optimizers never see them.
 from dataclasses import dataclass, field, asdict
 
 import torch
+import torch.distributed as dist
 
 from . import optimizers
-from .hashing import uniform_from_keys
+from .hashing import shard_of, uniform_from_keys
 from .optimizers import OptimizerConfig
 from .table import MISSING, ReferenceHashTable, highest_per_key, sum_by_key
 from .triton_optimizers import fused_update
@@ -365,3 +367,79 @@ class DynamicEmbedding:
     def import_rows(self, keys, embeddings, state, scores) -> None:
         rows = torch.cat([embeddings.to(self.device, torch.float32), state.to(self.device, torch.float32)], 1)
         self._demote(self.table.insert_or_assign(keys.to(self.device), rows, scores.to(self.device)))
+
+
+class ShardedDynamicEmbedding:
+    """A dynamic embedding whose rows are spread over a process group by key hash.
+
+    Every rank must make the same sequence of calls (each call is a collective), with its
+    own ids; ids may repeat within and across ranks. With one rank no communication happens.
+    """
+
+    def __init__(self, config: EmbeddingConfig, device: torch.device | str = "cpu", group=None):
+        self.group = group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        self.rank = dist.get_rank(group) if distributed else 0
+        self.local = DynamicEmbedding(config, device)
+
+    @property
+    def config(self) -> EmbeddingConfig:
+        return self.local.config
+
+    @property
+    def dim(self) -> int:
+        return self.local.dim
+
+    @property
+    def step(self) -> int:
+        return self.local.step
+
+    def _route(self, ids: torch.Tensor):
+        """Unique ids sorted by owner, and the exchange that sends them there."""
+        ids = ids.to(self.local.device)
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        owner = shard_of(uniq, self.world_size)
+        owner, order = torch.sort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=self.world_size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        recv_ids = self._exchange(uniq[order], send, recv)
+        return recv_ids, order, inverse, send, recv
+
+    def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+        return out
+
+    def lookup(self, ids: torch.Tensor, train: bool = True) -> torch.Tensor:
+        if self.world_size == 1:
+            return self.local.lookup(ids, train)
+        recv_ids, order, inverse, send, recv = self._route(ids)
+        rows = self._exchange(self.local.lookup(recv_ids, train), recv, send)
+        emb = torch.empty_like(rows)
+        emb[order] = rows
+        return emb[inverse]
+
+    def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Gradients are of each rank's own loss; as with DDP's averaging of dense
+        gradients, the update uses their mean over ranks."""
+        if self.world_size == 1:
+            return self.local.apply_gradients(ids, grads)
+        recv_ids, order, inverse, send, recv = self._route(ids)
+        _, summed, _ = sum_by_key(
+            ids.to(self.local.device), grads.to(self.local.device, torch.float32), self.local.table.deterministic
+        )
+        recv_grads = self._exchange(summed[order] / self.world_size, send, recv)
+        self.local.apply_gradients(recv_ids, recv_grads)
+
+    def stats(self) -> TableStats:
+        """Statistics summed over ranks."""
+        s = self.local.stats()
+        if self.world_size == 1:
+            return s
+        names = list(asdict(s))
+        t = torch.tensor([getattr(s, n) for n in names], dtype=torch.float64, device=self.local.device)
+        dist.all_reduce(t, group=self.group)
+        return TableStats(**{n: int(v) for n, v in zip(names, t.tolist())})
