@@ -113,19 +113,16 @@ class _Group:
             m.table.descriptor(READ_ONLY if m.config.read_only else None) for m in self.members
         ]))
 
-    def _lanes(self, sizes: tuple, ends: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table of each lane, first lane of each table) for these per-table counts; ends:
-        (table of each lane, [0, end of table 0's lanes, ..., end of the last's])."""
+    def _lanes(self, sizes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """For these per-table counts: the table of each lane, and where each table's lanes
+        begin (T + 1 values, the last one past the end)."""
         def make():
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
-            tids = torch.repeat_interleave(
-                torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes)
-            ).to(self.device)
-            return tids, _to_device(bounds[:-1], torch.int64, self.device), _to_device(bounds, torch.int64, self.device)
-        tids, starts, bounds = self._cached("lanes", sizes, make)
-        return (tids, bounds) if ends else (tids, starts)
+            tids = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes))
+            return tids.to(self.device), _to_device(bounds, torch.int64, self.device)
+        return self._cached("lanes", sizes, make)
 
     def _table_scores(self) -> torch.Tensor:
         def score(m: DynamicEmbedding) -> int:
@@ -236,13 +233,13 @@ class _Group:
             return
         grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
                  else g.to(self.device, torch.float32).contiguous() for g in grads]
-        _, starts = self._lanes(tuple(x.numel() for x in r.ids))
+        _, lane_bounds = self._lanes(tuple(x.numel() for x in r.ids))
         ptrs = [g.data_ptr() for g in grads]
         grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
         sums = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
         tiles, dim_block = triton.cdiv(n, SUM_TILE), triton.next_power_of_2(self.dim)
         _zero_split_segments_kernel[(triton.cdiv(tiles, 64),)](r.seg, n, sums, self.dim, TILE=SUM_TILE, BOUNDS=64, DIM=dim_block)
-        _segment_sum_kernel[(tiles,)](r.order, r.seg, r.tids, n, grad_ptrs, starts, sums, self.dim, TILE=SUM_TILE, DIM=dim_block)
+        _segment_sum_kernel[(tiles,)](r.order, r.seg, r.tids, n, grad_ptrs, lane_bounds, sums, self.dim, TILE=SUM_TILE, DIM=dim_block)
         fused_update(self.optimizer, self.members[0].table.values, r.rows, sums, self.dim, desc=self._descriptors(), count=r.count)
         self.routing = None
 
