@@ -213,12 +213,13 @@ def _claim_kernel(
     COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Fast mode, pass 2, for keys pass 1 did not find. PHASE 0: each key looks for itself
-    again (a copy may have stored it), else takes its bucket's first empty slot; a key
-    whose bucket is full waits (slot -3) under EVICT. PHASE 1 (a second launch, so the
-    first stays lean): a waiting key takes the bucket's lock, looks for itself again, and
-    takes the lowest (score, slot) row not used by this call, if that score is <= its own. Under GROW a full bucket gives slot -2 (the caller grows and retries);
-    under KEEP, and when no row may be evicted, the key is not stored (slot -1). A key
-    stored here is marked used by `call` at once, so no later key of the call evicts it.
+    again (a copy may have stored it), else takes its bucket's first empty slot. A key
+    whose bucket is full gets slot -2 under GROW (the caller grows and retries), -1 under
+    KEEP (not stored), and waits (-3) under EVICT for PHASE 1, a second launch so that
+    the first stays lean: there a waiting key takes the bucket's lock, looks for itself
+    again, and takes the lowest (score, slot) row not used by this call if that score is
+    <= its own, else is not stored (-1). A key stored here is marked used by `call` at
+    once, so no later key of the call evicts it.
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
     inserted is no hit), each eviction adds to counts[t, 4]."""
     for sub in range(0, SPAN):  # SPAN blocks of BLOCK keys: few have a key to place
