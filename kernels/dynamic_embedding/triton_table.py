@@ -48,7 +48,7 @@ ROW_ALIGN = tl.constexpr(16)  # elements; a row's stride in a Triton table is a 
 # tables of a collection): storage addresses, bucket mask and insertion mode
 # (kernels may only read module globals that are constexpr)
 _KEYS, _DIGESTS, _SCORES, _VALUES, _MARKS, _LOCKS, _MASK, _MODE = (tl.constexpr(i) for i in range(8))
-DESCRIPTOR_WORDS = 8
+DESCRIPTOR_WORDS = tl.constexpr(8)
 # insertion modes: a key whose bucket has no empty slot is refused (slot -1) under KEEP,
 # reported as slot -2 under GROW (the caller grows the table), evicts under EVICT
 READ_ONLY, GROW, EVICT, KEEP = 0, 1, 2, 3
@@ -56,7 +56,7 @@ READ_ONLY, GROW, EVICT, KEEP = 0, 1, 2, 3
 
 @triton.jit
 def _field(desc_ptr, t, word: tl.constexpr):
-    return tl.load(desc_ptr + t * 8 + word)
+    return tl.load(desc_ptr + t * DESCRIPTOR_WORDS + word)
 
 
 @triton.jit(do_not_specialize=["call"])
@@ -539,7 +539,7 @@ class TritonHashTable(ReferenceHashTable):
         self.digests = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
         self._marks = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)  # the last call that used a row
         self._locks = torch.zeros(num_buckets, dtype=torch.int64, device=self.device)
-        words = [0] * DESCRIPTOR_WORDS
+        words = [0] * DESCRIPTOR_WORDS.value
         for i, t in ((_KEYS, self.keys), (_DIGESTS, self.digests), (_SCORES, self.scores), (_VALUES, self.values),
                      (_MARKS, self._marks), (_LOCKS, self._locks)):
             words[i.value] = t.data_ptr()
