@@ -44,18 +44,22 @@ def test_collection_groups_features_by_layout():
 
 
 @settings(max_examples=8, deadline=None)
-@given(steps=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2**31 - 1), st.booleans()), min_size=1, max_size=6))
+@given(steps=st.lists(
+    st.tuples(st.integers(0, 80), st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([1, 30])), min_size=1, max_size=6,
+))
 def test_collection_trains_like_its_tables_one_by_one(steps):
     """Growing tables (two groups and a table served alone): lookups, rows, scores,
-    optimizer state and statistics equal those of each feature's own DynamicEmbedding; some features sit out some calls, some calls do
-    not train, and some updates get ids other than the lookup's."""
+    optimizer state and statistics equal those of each feature's own DynamicEmbedding; some
+    features sit out some calls, some calls do not train, some updates get ids other than
+    the lookup's, and some calls repeat two ids more often than the update sums in one
+    program (collection.LONG_SEGMENT)."""
     cfg = configs(1 << 10)
     coll = DynamicEmbeddingCollection(cfg, DEVICE)
     alone = {n: DynamicEmbedding(c, DEVICE) for n, c in cfg.items()}
-    for step, (n, seed, train) in enumerate(steps):
+    for step, (n, seed, train, width) in enumerate(steps):
         gen = torch.Generator().manual_seed(seed)
         names = [name for i, name in enumerate(cfg) if (seed >> i) & 1 or i == 0]
-        ids = {name: torch.randint(-30, 30, (n,), generator=gen).to(DEVICE) for name in names}
+        ids = {name: torch.randint(-width, width, (n,), generator=gen).to(DEVICE) for name in names}
         coll.set_epoch(step // 2)
         for e in alone.values():
             e.epoch = step // 2
@@ -134,3 +138,27 @@ def test_update_after_the_tables_changed_looks_rows_up_again():
     coll.apply_gradients({"user": ids}, {"user": grads})
     alone.apply_gradients(ids, grads)
     assert_same_rows(coll["user"], alone)
+
+
+def test_hot_ids_gradients_are_summed_across_programs():
+    """Ids with hundreds of copies in a call (their sums span many programs of the
+    update, whole tiles of one id among them) train as their table alone trains them, and
+    the update reuses the lookup's routing."""
+    cfg = configs(256)
+    names = ["user", "item"]
+    coll = DynamicEmbeddingCollection({n: cfg[n] for n in names}, DEVICE)
+    alone = {n: DynamicEmbedding(cfg[n], DEVICE) for n in names}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = {n: torch.cat([torch.full((150,), 7), torch.arange(5), torch.full((70,), -3)])[torch.randperm(225, generator=gen)].to(DEVICE)
+               for n in names}
+        grads = {n: torch.randn(225, 8, generator=gen).to(DEVICE) for n in names}
+        coll.lookup(ids)
+        routing = coll.groups[0].routing
+        coll.apply_gradients(ids, grads)
+        assert routing.placements == coll.groups[0]._placements()  # so the update reused it
+        for n in names:
+            alone[n].lookup(ids[n])
+            alone[n].apply_gradients(ids[n], grads[n])
+    for n in names:
+        assert_same_rows(coll[n], alone[n])

@@ -8,18 +8,18 @@
 Each feature keeps its own DynamicEmbedding: its own capacity, eviction, statistics and
 dumps (`tables["user"]`). Features whose tables are Triton tables in fast mode, with
 float32 rows, the lru / epoch_lru / none policy, no admission counter and no host tier,
-and that share dim, optimizer and bucket size, form a group. A group's lookup launches
-each kernel once for all its tables (probe, claim of empty slots, evictions, row
-initialisation, gather, sort keys, counting), and its update sums the gradients and runs
-the optimizer over the rows the lookup deduplicated (by sorting the lanes by row). At max
-capacity none of this waits for the GPU; below it, one check per lookup decides whether
-a table must grow. Other features are served one by one by their DynamicEmbedding, with
-the same results.
+and that share dim, optimizer and bucket size, form a group. A group's lookup sorts
+its lanes (one id of one table each) so that copies of an id sit together, then
+launches each kernel once for all its tables over the distinct ids (probe, claim of
+empty slots, evictions, row initialisation, counting) and once over the lanes (gather).
+Its update sums each distinct id's gradients and runs the optimizer in one kernel. At
+max capacity none of this waits for the GPU; below it, one check per lookup decides
+whether a table must grow. Other features are served one by one by their
+DynamicEmbedding, with the same results.
 
-A group differs from its features' own lookups in three ways: the reserved key (int64
-min) is served its initial embedding and never stored instead of raising; the gradients
-of an id's copies are summed in another order (the same sum to rounding); and ids left
-without a row are counted (lookups, rejections) by their low 56 bits.
+A group differs from its features' own lookups in two ways: the reserved key (int64 min)
+is served its initial embedding and never stored instead of raising, and the gradients
+of an id's copies are summed in another order (the same sum to rounding).
 """
 from dataclasses import dataclass
 
@@ -28,15 +28,20 @@ import triton
 
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .multi_table_kernels import (
-    _count_kernel, _gather_kernel, _init_rows_kernel, _pack_kernel, _segment_sum_kernel, _zero_split_segments_kernel,
+    _boundaries_kernel, _count_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _pack_kernel,
+    _segment_update_kernel, _segments_kernel,
 )
-from .triton_optimizers import SLOT_BITS, fused_update
+from .triton_optimizers import optimizer_args
 from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe
 
 FUSED_POLICIES = ("lru", "epoch_lru", "none")
-MAX_GROUP = 127  # tables per group: the sort key of rowless lanes keeps the table in 7 bits
-SUM_TILE = 16  # sorted lanes per program of the gradient sum
-LANE_BLOCK = 64  # lanes per program of the kernels that most lanes skip (row init, gather)
+MAX_GROUP = 127  # tables per group: the lanes' sort key holds the table in its top 7 bits
+LANE_BLOCK = 64  # ids per program of row initialisation, which most ids skip
+GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
+SCAN_BLOCK = 1024  # lanes per program of the elementwise kernels of the sort
+LONG_SEGMENT = 32  # lanes of one row beyond which the update sums them across programs
+SUM_TILE, SUM_WARPS = 16, 4  # sorted lanes per program of the sum of long segments, and its warps
+UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4  # embedding values per program of the update (rows: this / dim), warps
 
 
 def _fusable(emb: DynamicEmbedding) -> bool:
@@ -57,16 +62,20 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 @dataclass
 class _Routing:
-    """One lookup's lanes sorted by row, kept for the update of the same ids."""
+    """A call's lanes sorted so that copies of an id form a segment; a lookup's is kept
+    for the update of the same ids. Per-segment tensors have N entries, the first `count`
+    used."""
 
     ids: tuple  # the id tensors looked up (the update checks it gets the same ones)
     placements: tuple  # the tables' placement counts after the lookup (nothing moved since)
-    tids: torch.Tensor  # (N,) table of each lane
-    order: torch.Tensor  # (N,) lanes sorted by packed row
-    seg: torch.Tensor  # (N,) segment (distinct row) of each sorted lane
+    order: torch.Tensor  # (N,) lanes in sorted order
+    seg: torch.Tensor  # (N,) segment of each sorted lane
     count: torch.Tensor  # (1,) number of segments
-    rows: torch.Tensor  # (N,) packed row of each segment (first `count` used); < 0: no row
-    ordered: torch.Tensor  # (N,) packed rows in sorted order
+    starts: torch.Tensor  # sorted position of each segment's first lane
+    keys: torch.Tensor  # each segment's id
+    tids: torch.Tensor  # each segment's table
+    rows: torch.Tensor  # each segment's packed row (table << SLOT_BITS | slot); < 0: no row
+    partial: torch.Tensor  # gradient sums of long segments (multi_table_kernels.py), zeroed
 
 
 class _Group:
@@ -86,12 +95,6 @@ class _Group:
         for i, m in enumerate(members):
             m._counts = self._counts[i]
         self._cache: dict = {}
-        # sorted positions where each table's rowless lanes, then its stored lanes, begin
-        lowest = torch.iinfo(torch.int64).min
-        self._table_bounds = _to_device(
-            [lowest | (t << 56) for t in range(len(members) + 1)] + [t << SLOT_BITS.value for t in range(len(members) + 1)],
-            torch.int64, self.device,
-        )
         self.empty = torch.empty(0, dtype=torch.int64, device=self.device)  # ids of a feature not in a call
         self.routing: _Routing | None = None
 
@@ -149,99 +152,113 @@ class _Group:
             return list(out.split(sizes))
         keys = torch.cat(ids)
         tids, _ = self._lanes(sizes)
+        r = self._route(tuple(given), keys, tids)
         if train:
             for m in self.members:
                 m.table.placements += 1  # the claim below inserts and evicts
-            slots, inserted, missed = self._claim(keys, tids, out)
+            slots, inserted = self._claim(r)
             _init_rows_kernel[(triton.cdiv(n, LANE_BLOCK),)](
-                keys, tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim, self.row_stride,
-                BLOCK=LANE_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
+                r.keys, r.tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
+                self.row_stride, BLOCK=LANE_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
             )
         else:
-            slots = probe(self._descriptors(), keys, self.bucket_size, self.row_stride, tids, out=out)
-            missed = slots < 0
-        self._gather(keys, tids, slots, missed, out)
-        self.routing = self._route(tuple(given), keys, tids, slots)
-        self._count(train)
+            slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
+        self._gather(r, keys, tids, slots, out)
+        r.placements = self._placements()  # after the claim's inserts: the update checks nothing moved since
+        self.routing = r
+        T = len(self.members)
+        _count_kernel[(triton.cdiv(n, SCAN_BLOCK),)](
+            r.tids, r.rows, r.count, self._counts, self._inserting, T, BLOCK=SCAN_BLOCK, TRAIN=train,
+        )
         return list(out.split(sizes))
 
-    def _claim(self, keys, tids, out):
-        """find_or_insert over every table, growing those that need it (then again)."""
-        desc = self._descriptors()
-        slots, inserted, _, _, _, missed = claim(
-            desc, keys, self._table_scores(), self.bucket_size, tids, out=out, row_stride=self.row_stride,
-            table_scores=True, counts=self._counts, span=16,
+    def _claim(self, r: _Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """find_or_insert of the segments' ids in their tables, growing those that need it
+        (then again): their slots and whether each was inserted."""
+        slots, inserted, _, _, _ = claim(
+            self._descriptors(), r.keys, self._table_scores(), self.bucket_size, r.tids, table_scores=True,
+            counts=self._counts, span=16, count=r.count,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:
-            return slots, inserted, missed
+            return slots, inserted
+        used = torch.arange(slots.numel(), device=self.device) < r.count
         full = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
-        full.index_add_(0, tids.long(), (slots == -2).long())
+        full.index_add_(0, torch.where(used, r.tids, 0).long(), (used & (slots == -2)).long())
         full = full.tolist()  # the one wait for the GPU, while some table can still grow
         grow = [
             self.members[i].table for i in growing
             if full[i] or self.members[i].table.size() > self.members[i].table.max_load_factor * self.members[i].table.capacity
         ]
         if not grow:
-            return slots, inserted, missed
+            return slots, inserted
         for t in grow:
             t._grow()
-        again, inserted_again, _ = self._claim(keys, tids, out)
-        return again, inserted | inserted_again, torch.ones_like(missed)
+        again, inserted_again = self._claim(r)
+        return again, inserted | inserted_again
 
-    def _gather(self, keys, tids, slots, todo, out) -> None:
+    def _gather(self, r: _Routing, keys, tids, slots, out: torch.Tensor | None) -> None:
+        """Sets r.rows from the segments' slots; with `out`, copies each lane's row there
+        (initial embeddings for ids without a row)."""
         n = keys.numel()
-        _gather_kernel[(triton.cdiv(n, LANE_BLOCK),)](
-            keys, tids, slots, todo, n, self._descriptors(), self._seeds, self._scales, out, self.dim, self.row_stride,
-            BLOCK=LANE_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
+        _gather_kernel[(triton.cdiv(n, GATHER_BLOCK),)](
+            r.order, r.seg, keys, tids, slots, n, self._descriptors(), self._seeds, self._scales,
+            out if out is not None else r.partial, r.rows, self.dim, self.row_stride,
+            BLOCK=GATHER_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.dim)), GATHER=out is not None,
+            num_warps=GATHER_WARPS,
         )
 
-    def _route(self, ids: tuple, keys, tids, slots) -> _Routing:
-        """Sorts the lanes by their sort key (_pack_kernel): lanes of one row form a
-        segment."""
+    def _route(self, ids: tuple, keys, tids) -> _Routing:
+        """Sorts the lanes by (table, id) (_pack_kernel) into segments, one per distinct id
+        of a table."""
         n = keys.numel()
+        grid = (triton.cdiv(n, SCAN_BLOCK),)
         packed = torch.empty_like(keys)
-        _pack_kernel[(triton.cdiv(n, 1024),)](keys, tids, slots, n, packed, BLOCK=1024)
+        _pack_kernel[grid](keys, tids, n, packed, BLOCK=SCAN_BLOCK)
         ordered, order = torch.sort(packed, stable=True)
-        new = torch.zeros(n, dtype=torch.bool, device=self.device)
-        torch.ne(ordered[1:], ordered[:-1], out=new[1:])
+        new = torch.empty(n, dtype=torch.int32, device=self.device)
+        _boundaries_kernel[grid](ordered, order, tids, n, new, BLOCK=SCAN_BLOCK)
         seg = torch.cumsum(new, 0)
-        rows = torch.empty_like(ordered).scatter_(0, seg, ordered)
-        return _Routing(ids, self._placements(), tids, order, seg, seg[-1:] + 1, rows, ordered)
-
-    def _count(self, train: bool) -> None:
-        """Adds this lookup's distinct ids per table to the members' counters (the claim
-        counted inserts and evictions)."""
-        r = self.routing
-        T = len(self.members)
-        _count_kernel[(T,)](r.ordered, r.seg, r.seg.numel(), self._table_bounds, self._counts, self._inserting, T, TRAIN=train)
+        starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(4))
+        partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
+        _segments_kernel[(triton.cdiv(n, 256),)](
+            seg, order, keys, tids, n, starts, seg_keys, seg_tids, partial, self.dim,
+            LONG=LONG_SEGMENT, BLOCK=256, DIM=triton.next_power_of_2(self.dim),
+        )
+        return _Routing(ids, self._placements(), order, seg, seg[-1:] + 1, starts, seg_keys, seg_tids, rows, partial)
 
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
         """present[i]: member i takes part (its step advances)."""
-        r = self.routing
+        for m, p in zip(self.members, present):
+            m.step += p
+        r, self.routing = self.routing, None
         if r is None or len(r.ids) != len(given) or any(a is not b for a, b in zip(r.ids, given)) or r.placements != self._placements():
             ids = [self._flat_ids(x) for x in given]
             sizes = tuple(x.numel() for x in ids)
-            keys = torch.cat(ids) if sum(sizes) else torch.empty(0, dtype=torch.int64, device=self.device)
+            if sum(sizes) == 0:
+                return
+            keys = torch.cat(ids)
             tids, _ = self._lanes(sizes)
-            r = self._route(tuple(given), keys, tids, probe(self._descriptors(), keys, self.bucket_size, 0, tids))
-        for m, p in zip(self.members, present):
-            m.step += p
+            r = self._route(tuple(given), keys, tids)
+            self._gather(r, keys, tids, probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count), None)
         n = r.order.numel()
-        if n == 0:
-            return
         grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
                  else g.to(self.device, torch.float32).contiguous() for g in grads]
         _, lane_bounds = self._lanes(tuple(x.numel() for x in r.ids))
         ptrs = [g.data_ptr() for g in grads]
         grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
-        sums = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
-        tiles, dim_block = triton.cdiv(n, SUM_TILE), triton.next_power_of_2(self.dim)
-        _zero_split_segments_kernel[(triton.cdiv(tiles, 64),)](r.seg, n, sums, self.dim, TILE=SUM_TILE, BOUNDS=64, DIM=dim_block)
-        _segment_sum_kernel[(tiles,)](r.order, r.seg, r.tids, n, grad_ptrs, lane_bounds, sums, self.dim, TILE=SUM_TILE, DIM=dim_block)
-        fused_update(self.optimizer, self.members[0].table.values, r.rows, sums, self.dim, desc=self._descriptors(), count=r.count)
-        self.routing = None
+        dim_block = triton.next_power_of_2(self.dim)
+        block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
+        _long_segment_sum_kernel[(triton.cdiv(n, SUM_TILE),)](
+            r.order, r.seg, r.starts, r.rows, n, grad_ptrs, lane_bounds, r.partial, self.dim,
+            LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
+        )
+        _segment_update_kernel[(triton.cdiv(n, block),)](
+            r.order, r.starts, r.rows, r.count, n, grad_ptrs, lane_bounds, r.partial, self._descriptors(), self.dim,
+            self.row_stride, **optimizer_args(self.optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
+            num_warps=UPDATE_WARPS,
+        )
 
 
 class DynamicEmbeddingCollection:

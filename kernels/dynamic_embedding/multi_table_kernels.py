@@ -1,13 +1,20 @@
-"""Kernels of a group of tables trained together (see collection.py): initial rows made
-in the kernel, gathers, and the gradient sum over ids sorted by their row.
+"""Kernels of a group of tables trained together (see collection.py).
+
+A call's lanes (one id of one table each) are sorted by a key of (table, id), so the
+lanes of one id form a segment: the tables are probed once per distinct id, and the
+update sums each segment's gradients and applies the optimizer in one pass. Also here:
+initial rows made in the kernel, the gather of rows to lanes, and per-table counting.
 
 Rows are addressed as packed (table << SLOT_BITS) | slot; tables through descriptors.
 """
 import triton
 import triton.language as tl
 
-from .triton_optimizers import SLOT_BITS
-from .triton_table import _VALUES, _field, _hash
+from .triton_optimizers import _load_rows, _step_rows
+from .triton_table import ROW_ALIGN, _VALUES, _field, _hash
+
+SLOT_BITS = tl.constexpr(40)  # packed (table, slot): the slot's bits
+SLOT_MASK = tl.constexpr((1 << 40) - 1)
 
 
 @triton.jit
@@ -46,28 +53,89 @@ def _init_rows_kernel(
 
 @triton.jit
 def _gather_kernel(
-    key_ptr, tid_ptr, slot_ptr, todo_ptr, n, desc_ptr, seed_ptr, scale_ptr, out_ptr, dim, row_stride,
-    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    order_ptr, seg_ptr, key_ptr, tid_ptr, slot_ptr, n, desc_ptr, seed_ptr, scale_ptr, out_ptr, rows_ptr, dim, row_stride,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
 ):
-    """out[i] = the embedding of key i's row where todo[i]; keys without a row (slot < 0)
-    get their initial embedding."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = (offs < n) & (tl.load(todo_ptr + offs, mask=offs < n, other=0) != 0)
-    if tl.max(live.to(tl.int32), axis=0) > 0:  # most programs were served by the probe
-        key = tl.load(key_ptr + offs, mask=live, other=0)
-        t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-        slot = tl.load(slot_ptr + offs, mask=live, other=-1)
-        stored = live & (slot >= 0)
-        row = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_stride
-        seed, scale = tl.load(seed_ptr + t, mask=live, other=0), tl.load(scale_ptr + t, mask=live, other=0.0)
-        unstored = tl.max((live & ~stored).to(tl.int32), axis=0) > 0
+    """For the lanes at sorted positions i (lane order[i], of segment seg[i], whose id has
+    slot[seg[i]] in its table, < 0 if none): rows[s] = segment s's packed row (-1 if
+    none), written by its first lane; GATHER: out[lane] = the row's embedding, or the
+    id's initial embedding if it has no row."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    s = tl.load(seg_ptr + i, mask=live, other=0)
+    lane = tl.load(order_ptr + i, mask=live, other=0)
+    t = tl.load(tid_ptr + lane, mask=live, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + s, mask=live, other=-1)
+    stored = live & (slot >= 0)
+    first = live & (tl.load(seg_ptr + i - 1, mask=live & (i > 0), other=-1) != s)
+    tl.store(rows_ptr + s, tl.where(stored, (t << SLOT_BITS) | slot, -1), mask=first)
+    if GATHER:
+        row = tl.multiple_of(_field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_stride, ROW_ALIGN)
+        fresh = live & ~stored
+        key = tl.load(key_ptr + lane, mask=fresh, other=0)
+        seed, scale = tl.load(seed_ptr + t, mask=fresh, other=0), tl.load(scale_ptr + t, mask=fresh, other=0.0)
+        unstored = tl.max(fresh.to(tl.int32), axis=0) > 0
         for c in range(0, dim, DIM_BLOCK):
             cols = c + tl.arange(0, DIM_BLOCK)
             in_dim = cols[None, :] < dim
             value = tl.load(row[:, None] + cols[None, :], mask=stored[:, None] & in_dim)
             if unstored:
                 value = tl.where(stored[:, None], value, _initial_embedding(key, seed, scale, cols))
-            tl.store(out_ptr + offs[:, None].to(tl.int64) * dim + cols[None, :], value, mask=live[:, None] & in_dim)
+            tl.store(out_ptr + lane[:, None] * dim + cols[None, :], value, mask=live[:, None] & in_dim)
+
+
+# The update sums the first LONG lanes of a segment (the lanes of one row, contiguous in
+# sorted order) in the program that updates its row. Lanes past those (hot ids: a power
+# law gives some thousands of lanes) are summed first, tile by tile across programs, into
+# a partial sum at index start // LONG, which differs between such segments since they
+# start more than LONG apart.
+
+
+@triton.jit
+def _pack_kernel(key_ptr, tid_ptr, n, packed_ptr, BLOCK: tl.constexpr):
+    """The sort key of each lane: the hash of its id (a bijection) with the table xored
+    into the top bits, so the lanes of one id of one table sort together. Lanes of two
+    tables may share a sort key; the stable sort keeps them apart, table after table."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+    h = _hash(tl.load(key_ptr + offs, mask=live, other=0)).to(tl.int64, bitcast=True)
+    tl.store(packed_ptr + offs, h ^ (t << 57), mask=live)
+
+
+@triton.jit
+def _boundaries_kernel(ordered_ptr, order_ptr, tid_ptr, n, new_ptr, BLOCK: tl.constexpr):
+    """new[i] = 1 where sorted position i starts a segment after the first (its sort key
+    or its table differs from the previous lane's), else 0."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    prev = live & (i > 0)
+    t = tl.load(tid_ptr + tl.load(order_ptr + i, mask=live, other=0), mask=live, other=0)
+    t_prev = tl.load(tid_ptr + tl.load(order_ptr + i - 1, mask=prev, other=0), mask=prev, other=0)
+    differs = tl.load(ordered_ptr + i, mask=live, other=0) != tl.load(ordered_ptr + i - 1, mask=prev, other=0)
+    tl.store(new_ptr + i, (prev & (differs | (t != t_prev))).to(tl.int32), mask=live)
+
+
+@triton.jit
+def _segments_kernel(
+    seg_ptr, order_ptr, key_ptr, tid_ptr, n, starts_ptr, seg_key_ptr, seg_tid_ptr, partial_ptr, dim,
+    LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+):
+    """For each segment s: starts[s], the sorted position of its first lane, and its id
+    and table; the partial sum of a segment of more than LONG lanes is zeroed."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    seg = tl.load(seg_ptr + i, mask=live, other=0)
+    first = live & (tl.load(seg_ptr + i - 1, mask=live & (i > 0), other=-1) != seg)
+    lane = tl.load(order_ptr + i, mask=first, other=0)
+    tl.store(starts_ptr + seg, i, mask=first)
+    tl.store(seg_key_ptr + seg, tl.load(key_ptr + lane, mask=first, other=0), mask=first)
+    tl.store(seg_tid_ptr + seg, tl.load(tid_ptr + lane, mask=first, other=0), mask=first)
+    long = first & (tl.load(seg_ptr + i + LONG, mask=first & (i + LONG < n), other=-1) == seg)
+    if tl.max(long.to(tl.int32), axis=0) > 0:
+        cols = tl.arange(0, DIM)
+        zero = tl.zeros([BLOCK, DIM], tl.float32)
+        tl.store(partial_ptr + (i // LONG)[:, None].to(tl.int64) * dim + cols[None, :], zero, mask=long[:, None] & (cols[None, :] < dim))
 
 
 @triton.jit
@@ -76,95 +144,93 @@ def _same_segment(s1, v1, s2, v2):
 
 
 @triton.jit
-def _zero_split_segments_kernel(seg_ptr, n, sums_ptr, dim, TILE: tl.constexpr, BOUNDS: tl.constexpr, DIM: tl.constexpr):
-    """Zeroes the sum of each segment that crosses a tile boundary (summed with atomics);
-    BOUNDS boundaries per program."""
-    b = (tl.program_id(0) * BOUNDS + tl.arange(0, BOUNDS) + 1) * TILE
-    s = tl.load(seg_ptr + b, mask=b < n, other=-1)
-    split = (b < n) & (tl.load(seg_ptr + b - 1, mask=b < n, other=-2) == s)
-    cols = tl.arange(0, DIM)
-    zero = tl.zeros([BOUNDS, DIM], tl.float32)
-    tl.store(sums_ptr + s[:, None] * dim + cols[None, :], zero, mask=split[:, None] & (cols[None, :] < dim))
+def _lane_grads(lane, on, table, grad_ptrs_ptr, lane_start_ptr, cols, dim):
+    """The gradients (len(lane), DIM) of these lanes where on, given their table (a valid
+    index everywhere): lane l of table t has row (l - lane_start[t]) of the gradient tensor
+    at address grad_ptrs[t]."""
+    grads = tl.load(grad_ptrs_ptr + table).to(tl.pointer_type(tl.float32))
+    row = lane - tl.load(lane_start_ptr + table)
+    return tl.load(grads[:, None] + row[:, None] * dim + cols[None, :], mask=on[:, None] & (cols[None, :] < dim), other=0.0)
 
 
 @triton.jit
-def _segment_sum_kernel(
-    order_ptr, seg_ptr, tid_ptr, n, grad_ptrs_ptr, lane_start_ptr, sums_ptr, dim,
-    TILE: tl.constexpr, DIM: tl.constexpr,
+def _long_segment_sum_kernel(
+    order_ptr, seg_ptr, starts_ptr, rows_ptr, n, grad_ptrs_ptr, lane_start_ptr, partial_ptr, dim,
+    LONG: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr,
 ):
-    """sums[s] = sum of the gradients of the lanes in segment s, lanes taken in sorted
-    order (order[i]: the lane at sorted position i; seg[i]: its segment, non-decreasing).
-    A lane's gradient is row (lane - lane_start[t]) of table t's gradient tensor. A
-    segment inside one tile is summed in registers and stored; a longer one is summed per
-    tile and added atomically (its row was zeroed first)."""
+    """Adds the gradients of the lanes in a tile of TILE sorted positions that lie more
+    than LONG lanes into their segment to the segment's partial sum (a segmented scan in
+    the tile, one atomic add per segment piece)."""
     start = tl.program_id(0) * TILE
     i = start + tl.arange(0, TILE)
-    live = i < n
-    lane = tl.load(order_ptr + i, mask=live, other=0)
-    seg = tl.load(seg_ptr + i, mask=live, other=-1)
-    t = tl.load(tid_ptr + lane, mask=live, other=0).to(tl.int64)
-    grads = tl.load(grad_ptrs_ptr + t, mask=live, other=0).to(tl.pointer_type(tl.float32))
-    row = lane - tl.load(lane_start_ptr + t, mask=live, other=0)
-    cols = tl.arange(0, DIM)
-    m = live[:, None] & (cols[None, :] < dim)
-    g = tl.load(grads[:, None] + row[:, None] * dim + cols[None, :], mask=m, other=0.0)
-    _, acc = tl.associative_scan((tl.broadcast_to(seg[:, None], (TILE, DIM)), g), 0, _same_segment)
-    next_seg = tl.load(seg_ptr + i + 1, mask=i + 1 < n, other=-1)
-    before = tl.load(seg_ptr + start - 1, mask=start > 0, other=-1)
-    ends = live & ((next_seg != seg) | (i == start + TILE - 1))
-    whole = (next_seg != seg) & (seg != before)
-    out = sums_ptr + seg[:, None] * dim + cols[None, :]
-    tl.store(out, acc, mask=m & (ends & whole)[:, None])
-    tl.atomic_add(out, acc, mask=m & (ends & ~whole)[:, None])
+    seg = tl.load(seg_ptr + i, mask=i < n, other=-1)
+    late = (i < n) & (tl.load(seg_ptr + i - LONG, mask=(i < n) & (i >= LONG), other=-2) == seg)
+    if tl.max(late.to(tl.int32), axis=0) > 0:  # most tiles have no such lane
+        packed = tl.load(rows_ptr + seg, mask=late, other=-1)
+        late = late & (packed >= 0)
+        begin = tl.load(starts_ptr + seg, mask=late, other=0)
+        cols = tl.arange(0, DIM)
+        lane = tl.load(order_ptr + i, mask=i < n, other=0)
+        g = _lane_grads(lane, late, tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, cols, dim)
+        if tl.min(late.to(tl.int32), axis=0) > 0 and tl.min(seg, axis=0) == tl.max(seg, axis=0):
+            # the whole tile in one segment (most tiles of a hot id): one sum, one add
+            tl.atomic_add(partial_ptr + tl.max(begin, axis=0) // LONG * dim + cols, tl.sum(g, axis=0), mask=cols < dim)
+        else:
+            _, acc = tl.associative_scan((tl.broadcast_to(seg[:, None], (TILE, DIM)), g), 0, _same_segment)
+            next_seg = tl.load(seg_ptr + i + 1, mask=i + 1 < n, other=-1)
+            piece_end = late & ((next_seg != seg) | (i == start + TILE - 1))
+            out = partial_ptr + (begin // LONG)[:, None] * dim + cols[None, :]
+            tl.atomic_add(out, acc, mask=piece_end[:, None] & (cols[None, :] < dim))
 
 
 @triton.jit
-def _pack_kernel(key_ptr, tid_ptr, slot_ptr, n, packed_ptr, BLOCK: tl.constexpr):
-    """The sort key of each lane: (table << SLOT_BITS) | slot for a lane with a row; else
-    the sign bit, the table in bits 56-62 and the key's low 56 bits, so rowless lanes sort
-    first, by table."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + offs, mask=live, other=0)
-    key = tl.load(key_ptr + offs, mask=live, other=0)
-    rowless = (key & ((1 << 56) - 1)) | (t << 56) | (-9223372036854775807 - 1)
-    tl.store(packed_ptr + offs, tl.where(slot >= 0, (t << SLOT_BITS) | slot, rowless), mask=live)
+def _segment_update_kernel(
+    order_ptr, starts_ptr, rows_ptr, count_ptr, n, grad_ptrs_ptr, lane_start_ptr, partial_ptr, desc_ptr, dim, row_stride,
+    lr, beta1, beta2, eps, weight_decay, max_norm,
+    OPT: tl.constexpr, CLIP: tl.constexpr, LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+):
+    """One optimizer step for each of BLOCK segments (distinct rows) with the sum of its
+    lanes' gradients: its first LONG lanes added here in sorted order (order[i]: the lane
+    at sorted position i), then the partial sum of the rest if any. Segments:
+    starts[s] (_segments_kernel) and rows[s] (_gather_kernel), count_ptr[0] of them; rowless ones
+    (rows < 0) are skipped. All lanes of a segment share its table."""
+    count = tl.load(count_ptr)
+    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    packed = tl.load(rows_ptr + s, mask=s < count, other=-1)
+    live = packed >= 0
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        t = tl.where(live, packed >> SLOT_BITS, 0)
+        begin = tl.load(starts_ptr + s, mask=live, other=0)
+        end = tl.load(starts_ptr + s + 1, mask=live & (s + 1 < count), other=n)
+        long = live & (end - begin > LONG)
+        length = tl.where(live, tl.minimum(end - begin, LONG), 0)
+        cols = tl.arange(0, DIM)
+        values = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32))
+        row_ptr = tl.multiple_of(values + (packed & SLOT_MASK) * row_stride, ROW_ALIGN)  # rows start aligned
+        w, first, second, per_row = _load_rows(row_ptr, live, cols, dim, OPT)  # in flight while the sum runs
+        g = tl.load(partial_ptr + (begin // LONG)[:, None] * dim + cols[None, :], mask=long[:, None] & (cols[None, :] < dim), other=0.0)
+        for j in range(0, tl.max(length, axis=0)):
+            on = j < length
+            lane = tl.load(order_ptr + begin + j, mask=on, other=0)
+            g += _lane_grads(lane, on, t, grad_ptrs_ptr, lane_start_ptr, cols, dim)
+        _step_rows(row_ptr, live, g, cols, dim, w, first, second, per_row, lr, beta1, beta2, eps, weight_decay, max_norm, OPT, CLIP)
 
 
 @triton.jit
-def _lower_bound(ptr, n, value):
-    """First position of the sorted ptr[0:n] whose value is >= value."""
-    lo = tl.zeros([], dtype=tl.int64)
-    hi = lo + n
-    for _ in range(64):
-        mid = (lo + hi) // 2
-        below = (lo < hi) & (tl.load(ptr + mid, mask=lo < hi, other=value) < value)
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where((lo < hi) & ~below, mid, hi)
-    return lo
-
-
-@triton.jit
-def _segments_before(seg_ptr, p):
-    """Distinct rows among the first p sorted lanes (seg counts from 0)."""
-    return tl.where(p > 0, tl.load(seg_ptr + p - 1, mask=p > 0, other=0) + 1, 0)
-
-
-@triton.jit
-def _count_kernel(ordered_ptr, seg_ptr, n, bounds_ptr, counts_ptr, inserting_ptr, tables, TRAIN: tl.constexpr):
-    """Program t adds table t's distinct ids of this lookup to counts[t]: lookups, hits
-    (stored ids; the claim took off those it inserted) and, when training a table that
-    inserts, rejections (ids left without a row). Its lanes lie between binary-searched
-    positions of the sorted sort keys: bounds[t] and bounds[t + 1] for rowless lanes,
-    bounds[tables + 1 + t] and the next for stored ones."""
-    t = tl.program_id(0)
-    rowless = _segments_before(seg_ptr, _lower_bound(ordered_ptr, n, tl.load(bounds_ptr + t + 1))) - _segments_before(
-        seg_ptr, _lower_bound(ordered_ptr, n, tl.load(bounds_ptr + t)))
-    stored = _segments_before(seg_ptr, _lower_bound(ordered_ptr, n, tl.load(bounds_ptr + tables + 2 + t))) - _segments_before(
-        seg_ptr, _lower_bound(ordered_ptr, n, tl.load(bounds_ptr + tables + 1 + t)))
-    row = counts_ptr + t * 5
-    tl.store(row, tl.load(row) + rowless + stored)
-    tl.store(row + 1, tl.load(row + 1) + stored)
-    if TRAIN:
-        tl.store(row + 3, tl.load(row + 3) + rowless * tl.load(inserting_ptr + t))
+def _count_kernel(seg_tid_ptr, rows_ptr, count_ptr, counts_ptr, inserting_ptr, tables, BLOCK: tl.constexpr, TRAIN: tl.constexpr):
+    """Adds a block of segments (distinct ids of a table) to their tables' counters
+    (counts[t, :]): lookups, hits (ids with a row; the claim took off those it inserted)
+    and, when training a table that inserts, rejections (ids left without a row)."""
+    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = s < tl.load(count_ptr)
+    t = tl.load(seg_tid_ptr + s, mask=live, other=-1)
+    stored = tl.load(rows_ptr + s, mask=live, other=-1) >= 0
+    for table in range(0, tables):
+        mine = live & (t == table)
+        lookups = tl.sum(mine.to(tl.int64), axis=0)
+        if lookups > 0:
+            hits = tl.sum((mine & stored).to(tl.int64), axis=0)
+            tl.atomic_add(counts_ptr + table * 5, lookups)
+            tl.atomic_add(counts_ptr + table * 5 + 1, hits)
+            if TRAIN:
+                tl.atomic_add(counts_ptr + table * 5 + 3, (lookups - hits) * tl.load(inserting_ptr + table))

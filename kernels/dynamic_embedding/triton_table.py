@@ -61,15 +61,18 @@ def _field(desc_ptr, t, word: tl.constexpr):
 
 @triton.jit(do_not_specialize=["call"])
 def _find_kernel(
-    query_ptr, tid_ptr, n, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride, score_ptr, call,
+    query_ptr, tid_ptr, n, count_ptr, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride, score_ptr, call,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr, TOUCH: tl.constexpr,
-    MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, ALIGN: tl.constexpr,
+    MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, ALIGN: tl.constexpr, COUNTED: tl.constexpr,
 ):
     """slot of each query key in its table (or -1); MULTI: table tid[i], else table 0.
+    COUNTED: only the first count_ptr[0] keys (a device count) are looked up.
     GATHER: also copy the first out_dim values of found rows into out (rows of missing keys
     are left untouched). TOUCH: a found row's score becomes the highest score any copy of
     its key brings, and the row is marked used by `call` (protected from its evictions).
     TABLE_SCORES: scores are per table (score[t]), not per key."""
+    if COUNTED:
+        n = tl.load(count_ptr)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     if MULTI:
@@ -208,9 +211,9 @@ def _export_kernel(
 
 @triton.jit(do_not_specialize=["call"])
 def _claim_kernel(
-    query_ptr, tid_ptr, score_ptr, n, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr, call,
-    counts_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
-    COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
+    query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr,
+    call, counts_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
+    COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, COUNTED: tl.constexpr,
 ):
     """Fast mode, pass 2, for keys pass 1 did not find. PHASE 0: each key looks for itself
     again (a copy may have stored it), else takes its bucket's first empty slot. A key
@@ -221,7 +224,9 @@ def _claim_kernel(
     <= its own, else is not stored (-1). A key stored here is marked used by `call` at
     once, so no later key of the call evicts it.
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
-    inserted is no hit), each eviction adds to counts[t, 4]."""
+    inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel."""
+    if COUNTED:
+        n = tl.load(count_ptr)
     for sub in range(0, SPAN):  # SPAN blocks of BLOCK keys: few have a key to place
         offs = (tl.program_id(0) * SPAN + sub) * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
@@ -393,53 +398,53 @@ FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 2
 def probe(
     desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
     out: torch.Tensor | None = None, touch: torch.Tensor | None = None, call: int = 0, table_scores: bool = False,
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slots of keys (-1 if absent) in the tables of `desc` ((T, DESCRIPTOR_WORDS); key i in
     table tids[i], or all in table 0). `out` (N, d) receives the first d values of found
     rows; `touch` (N,) scores, or (T,) with table_scores, raise found rows' scores and mark
-    them used by `call`."""
+    them used by `call`. count: a device scalar; only the first `count` keys are looked up
+    (the other slots are left unset)."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     if n == 0:
         return slots
     out_dim = out.shape[1] if out is not None else 0
     _find_kernel[_grid(n, FIND_BLOCK)](
-        keys, tids if tids is not None else keys, n, desc, slots, out if out is not None else slots, out_dim, row_stride,
-        touch if touch is not None else keys, call,
+        keys, tids if tids is not None else keys, n, count if count is not None else keys, desc, slots,
+        out if out is not None else slots, out_dim, row_stride, touch if touch is not None else keys, call,
         BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
         GATHER=out is not None, TOUCH=touch is not None, MULTI=tids is not None, TABLE_SCORES=table_scores,
-        ALIGN=min(bucket_size, 16), num_warps=FIND_WARPS,
+        ALIGN=min(bucket_size, 16), COUNTED=count is not None, num_warps=FIND_WARPS,
     )
     return slots
 
 
 def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, row_stride: int = 0, table_scores: bool = False, counts: torch.Tensor | None = None,
-    span: int = 1,
+    table_scores: bool = False, counts: torch.Tensor | None = None, span: int = 1, count: torch.Tensor | None = None,
 ):
     """Fast find_or_insert on the tables of `desc`: one probe that raises and protects found
-    rows (and copies them into `out`, as probe), then one claim launch for the keys not
-    found. Returns (slots, inserted, evicted, victim_keys, victim_scores, missed), all (N,):
-    an evicted lane's slot still holds its victim's row; missed: not found by the probe.
-    Found and inserted rows are marked used by this call: none of its keys evicts them.
-    table_scores: `scores` are per table; counts: (T, 5) counters (see _claim_kernel).
-    span: blocks of keys per claim program (more when few keys are expected to be new)."""
+    rows, then claim launches for the keys not found. Returns (slots, inserted, evicted,
+    victim_keys, victim_scores), all (N,): an evicted lane's slot still holds its victim's
+    row. Found and inserted rows are marked used by this call: none of its keys evicts
+    them. table_scores: `scores` are per table; counts: (T, 5) counters (see
+    _claim_kernel); span: blocks of keys per claim program (more when few keys are
+    expected to be new); count: as probe's."""
     n = keys.numel()
     call = new_call()
-    slots = probe(desc, keys, bucket_size, row_stride, tids, out=out, touch=scores, call=call, table_scores=table_scores)
-    missed = slots < 0
+    slots = probe(desc, keys, bucket_size, 0, tids, touch=scores, call=call, table_scores=table_scores, count=count)
     flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
         for phase, blocks in ((0, span), (1, 16)):  # few keys wait for an eviction
             _claim_kernel[_grid(n, PLACE_BLOCK * blocks)](
-                keys, tids if tids is not None else keys, scores, n, desc, slots, flags[0], victims[0], victims[1], flags[1], call,
-                counts if counts is not None else keys, BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None,
-                TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=blocks, ALIGN=min(bucket_size, 16), PHASE=phase,
-                num_warps=PLACE_WARPS,
+                keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags[0],
+                victims[0], victims[1], flags[1], call, counts if counts is not None else keys, BUCKET=bucket_size,
+                BLOCK=PLACE_BLOCK, MULTI=tids is not None, TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=blocks,
+                ALIGN=min(bucket_size, 16), PHASE=phase, COUNTED=count is not None, num_warps=PLACE_WARPS,
             )
-    return slots, flags[0], flags[1], victims[0], victims[1], missed
+    return slots, flags[0], flags[1], victims[0], victims[1]
 
 
 class TritonHashTable(ReferenceHashTable):
@@ -492,7 +497,7 @@ class TritonHashTable(ReferenceHashTable):
         keys = self._check_keys(keys).contiguous()
         self.placements += 1
         scores = scores.to(self.device, torch.int64).contiguous()
-        slots, inserted, evicted, victim_keys, victim_scores, _ = claim(self._descriptor, keys, scores, self.bucket_size)
+        slots, inserted, evicted, victim_keys, victim_scores = claim(self._descriptor, keys, scores, self.bucket_size)
         if self.insert_mode == GROW and keys.numel():
             if bool((slots == -2).any()) or self.size() > self.max_load_factor * self.capacity:
                 self._grow()  # moves every row: look the whole batch up again
