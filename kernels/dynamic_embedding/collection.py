@@ -28,7 +28,7 @@ import triton
 
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .multi_table_kernels import (
-    _boundaries_kernel, _count_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _pack_kernel,
+    _boundaries_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _pack_kernel, _segment_rows_kernel,
     _segment_update_kernel, _segments_kernel,
 )
 from .triton_optimizers import optimizer_args
@@ -41,7 +41,10 @@ GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its w
 SCAN_BLOCK = 1024  # lanes per program of the elementwise kernels of the sort
 LONG_SEGMENT = 32  # lanes of one row beyond which the update sums them across programs
 SUM_TILE, SUM_WARPS = 16, 4  # sorted lanes per program of the sum of long segments, and its warps
-UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4  # embedding values per program of the update (rows: this / dim), warps
+# embedding values per program of the update (rows: this / dim), and its warps. H100, Adam:
+# 1024/4 1.80 ms per step, 512/2 1.84, 2048/8 1.85; loading 2, 4 or 8 lanes of a segment
+# per round instead of 1 changed nothing or lost
+UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4
 
 
 def _fusable(emb: DynamicEmbedding) -> bool:
@@ -70,6 +73,7 @@ class _Routing:
     placements: tuple  # the tables' placement counts after the lookup (nothing moved since)
     order: torch.Tensor  # (N,) lanes in sorted order
     seg: torch.Tensor  # (N,) segment of each sorted lane
+    lane_seg: torch.Tensor  # (N,) segment of each lane
     count: torch.Tensor  # (1,) number of segments
     starts: torch.Tensor  # sorted position of each segment's first lane
     keys: torch.Tensor  # each segment's id
@@ -163,13 +167,13 @@ class _Group:
             )
         else:
             slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
-        self._gather(r, keys, tids, slots, out)
+        self._rows(r, slots, counted=train)
+        _gather_kernel[(triton.cdiv(n, GATHER_BLOCK),)](
+            r.lane_seg, keys, tids, slots, n, self._descriptors(), self._seeds, self._scales, out, self.dim, self.row_stride,
+            BLOCK=GATHER_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.dim)), num_warps=GATHER_WARPS,
+        )
         r.placements = self._placements()  # after the claim's inserts: the update checks nothing moved since
         self.routing = r
-        T = len(self.members)
-        _count_kernel[(triton.cdiv(n, SCAN_BLOCK),)](
-            r.tids, r.rows, r.count, self._counts, self._inserting, T, BLOCK=SCAN_BLOCK, TRAIN=train,
-        )
         return list(out.split(sizes))
 
     def _claim(self, r: _Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,15 +201,12 @@ class _Group:
         again, inserted_again = self._claim(r)
         return again, inserted | inserted_again
 
-    def _gather(self, r: _Routing, keys, tids, slots, out: torch.Tensor | None) -> None:
-        """Sets r.rows from the segments' slots; with `out`, copies each lane's row there
-        (initial embeddings for ids without a row)."""
-        n = keys.numel()
-        _gather_kernel[(triton.cdiv(n, GATHER_BLOCK),)](
-            r.order, r.seg, keys, tids, slots, n, self._descriptors(), self._seeds, self._scales,
-            out if out is not None else r.partial, r.rows, self.dim, self.row_stride,
-            BLOCK=GATHER_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.dim)), GATHER=out is not None,
-            num_warps=GATHER_WARPS,
+    def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None) -> None:
+        """Sets r.rows from the segments' slots; counted (train or not): also counts the
+        lookup in the members' statistics."""
+        _segment_rows_kernel[(triton.cdiv(slots.numel(), SCAN_BLOCK),)](
+            r.tids, slots, r.count, r.rows, self._counts, self._inserting, len(self.members),
+            BLOCK=SCAN_BLOCK, COUNT=counted is not None, TRAIN=bool(counted),
         )
 
     def _route(self, ids: tuple, keys, tids) -> _Routing:
@@ -219,13 +220,13 @@ class _Group:
         new = torch.empty(n, dtype=torch.int32, device=self.device)
         _boundaries_kernel[grid](ordered, order, tids, n, new, BLOCK=SCAN_BLOCK)
         seg = torch.cumsum(new, 0)
-        starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(4))
+        lane_seg, starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(5))
         partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
         _segments_kernel[(triton.cdiv(n, 256),)](
-            seg, order, keys, tids, n, starts, seg_keys, seg_tids, partial, self.dim,
+            seg, order, keys, tids, n, lane_seg, starts, seg_keys, seg_tids, partial, self.dim,
             LONG=LONG_SEGMENT, BLOCK=256, DIM=triton.next_power_of_2(self.dim),
         )
-        return _Routing(ids, self._placements(), order, seg, seg[-1:] + 1, starts, seg_keys, seg_tids, rows, partial)
+        return _Routing(ids, self._placements(), order, seg, lane_seg, seg[-1:] + 1, starts, seg_keys, seg_tids, rows, partial)
 
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
@@ -241,7 +242,7 @@ class _Group:
             keys = torch.cat(ids)
             tids, _ = self._lanes(sizes)
             r = self._route(tuple(given), keys, tids)
-            self._gather(r, keys, tids, probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count), None)
+            self._rows(r, probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count), counted=None)
         n = r.order.numel()
         grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
                  else g.to(self.device, torch.float32).contiguous() for g in grads]

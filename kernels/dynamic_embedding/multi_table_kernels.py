@@ -53,35 +53,28 @@ def _init_rows_kernel(
 
 @triton.jit
 def _gather_kernel(
-    order_ptr, seg_ptr, key_ptr, tid_ptr, slot_ptr, n, desc_ptr, seed_ptr, scale_ptr, out_ptr, rows_ptr, dim, row_stride,
-    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
+    lane_seg_ptr, key_ptr, tid_ptr, slot_ptr, n, desc_ptr, seed_ptr, scale_ptr, out_ptr, dim, row_stride,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
-    """For the lanes at sorted positions i (lane order[i], of segment seg[i], whose id has
-    slot[seg[i]] in its table, < 0 if none): rows[s] = segment s's packed row (-1 if
-    none), written by its first lane; GATHER: out[lane] = the row's embedding, or the
-    id's initial embedding if it has no row."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    s = tl.load(seg_ptr + i, mask=live, other=0)
-    lane = tl.load(order_ptr + i, mask=live, other=0)
+    """out[lane] = the embedding of the row of the lane's id (slot[lane_seg[lane]] in its
+    table), or the id's initial embedding if it has no row (slot < 0)."""
+    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lane < n
     t = tl.load(tid_ptr + lane, mask=live, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + s, mask=live, other=-1)
+    slot = tl.load(slot_ptr + tl.load(lane_seg_ptr + lane, mask=live, other=0), mask=live, other=-1)
     stored = live & (slot >= 0)
-    first = live & (tl.load(seg_ptr + i - 1, mask=live & (i > 0), other=-1) != s)
-    tl.store(rows_ptr + s, tl.where(stored, (t << SLOT_BITS) | slot, -1), mask=first)
-    if GATHER:
-        row = tl.multiple_of(_field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_stride, ROW_ALIGN)
-        fresh = live & ~stored
-        key = tl.load(key_ptr + lane, mask=fresh, other=0)
-        seed, scale = tl.load(seed_ptr + t, mask=fresh, other=0), tl.load(scale_ptr + t, mask=fresh, other=0.0)
-        unstored = tl.max(fresh.to(tl.int32), axis=0) > 0
-        for c in range(0, dim, DIM_BLOCK):
-            cols = c + tl.arange(0, DIM_BLOCK)
-            in_dim = cols[None, :] < dim
-            value = tl.load(row[:, None] + cols[None, :], mask=stored[:, None] & in_dim)
-            if unstored:
-                value = tl.where(stored[:, None], value, _initial_embedding(key, seed, scale, cols))
-            tl.store(out_ptr + lane[:, None] * dim + cols[None, :], value, mask=live[:, None] & in_dim)
+    row = tl.multiple_of(_field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_stride, ROW_ALIGN)
+    fresh = live & ~stored
+    key = tl.load(key_ptr + lane, mask=fresh, other=0)
+    seed, scale = tl.load(seed_ptr + t, mask=fresh, other=0), tl.load(scale_ptr + t, mask=fresh, other=0.0)
+    unstored = tl.max(fresh.to(tl.int32), axis=0) > 0
+    for c in range(0, dim, DIM_BLOCK):
+        cols = c + tl.arange(0, DIM_BLOCK)
+        in_dim = cols[None, :] < dim
+        value = tl.load(row[:, None] + cols[None, :], mask=stored[:, None] & in_dim)
+        if unstored:
+            value = tl.where(stored[:, None], value, _initial_embedding(key, seed, scale, cols))
+        tl.store(out_ptr + lane[:, None].to(tl.int64) * dim + cols[None, :], value, mask=live[:, None] & in_dim)
 
 
 # The update sums the first LONG lanes of a segment (the lanes of one row, contiguous in
@@ -118,16 +111,18 @@ def _boundaries_kernel(ordered_ptr, order_ptr, tid_ptr, n, new_ptr, BLOCK: tl.co
 
 @triton.jit
 def _segments_kernel(
-    seg_ptr, order_ptr, key_ptr, tid_ptr, n, starts_ptr, seg_key_ptr, seg_tid_ptr, partial_ptr, dim,
+    seg_ptr, order_ptr, key_ptr, tid_ptr, n, lane_seg_ptr, starts_ptr, seg_key_ptr, seg_tid_ptr, partial_ptr, dim,
     LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
 ):
-    """For each segment s: starts[s], the sorted position of its first lane, and its id
-    and table; the partial sum of a segment of more than LONG lanes is zeroed."""
+    """The segment of each lane (lane_seg), and for each segment s: starts[s], the sorted
+    position of its first lane, and its id and table; the partial sum of a segment of
+    more than LONG lanes is zeroed."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     seg = tl.load(seg_ptr + i, mask=live, other=0)
     first = live & (tl.load(seg_ptr + i - 1, mask=live & (i > 0), other=-1) != seg)
-    lane = tl.load(order_ptr + i, mask=first, other=0)
+    lane = tl.load(order_ptr + i, mask=live, other=0)
+    tl.store(lane_seg_ptr + lane, seg, mask=live)
     tl.store(starts_ptr + seg, i, mask=first)
     tl.store(seg_key_ptr + seg, tl.load(key_ptr + lane, mask=first, other=0), mask=first)
     tl.store(seg_tid_ptr + seg, tl.load(tid_ptr + lane, mask=first, other=0), mask=first)
@@ -192,7 +187,7 @@ def _segment_update_kernel(
     """One optimizer step for each of BLOCK segments (distinct rows) with the sum of its
     lanes' gradients: its first LONG lanes added here in sorted order (order[i]: the lane
     at sorted position i), then the partial sum of the rest if any. Segments:
-    starts[s] (_segments_kernel) and rows[s] (_gather_kernel), count_ptr[0] of them; rowless ones
+    starts[s] (_segments_kernel) and rows[s] (_segment_rows_kernel), count_ptr[0] of them; rowless ones
     (rows < 0) are skipped. All lanes of a segment share its table."""
     count = tl.load(count_ptr)
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -217,20 +212,27 @@ def _segment_update_kernel(
 
 
 @triton.jit
-def _count_kernel(seg_tid_ptr, rows_ptr, count_ptr, counts_ptr, inserting_ptr, tables, BLOCK: tl.constexpr, TRAIN: tl.constexpr):
-    """Adds a block of segments (distinct ids of a table) to their tables' counters
+def _segment_rows_kernel(
+    seg_tid_ptr, slot_ptr, count_ptr, rows_ptr, counts_ptr, inserting_ptr, tables,
+    BLOCK: tl.constexpr, COUNT: tl.constexpr, TRAIN: tl.constexpr,
+):
+    """For a block of segments (distinct ids of a table): rows[s], the packed row of
+    slot[s] in its table (-1 if none). COUNT: adds them to their tables' counters
     (counts[t, :]): lookups, hits (ids with a row; the claim took off those it inserted)
     and, when training a table that inserts, rejections (ids left without a row)."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = s < tl.load(count_ptr)
-    t = tl.load(seg_tid_ptr + s, mask=live, other=-1)
-    stored = tl.load(rows_ptr + s, mask=live, other=-1) >= 0
-    for table in range(0, tables):
-        mine = live & (t == table)
-        lookups = tl.sum(mine.to(tl.int64), axis=0)
-        if lookups > 0:
-            hits = tl.sum((mine & stored).to(tl.int64), axis=0)
-            tl.atomic_add(counts_ptr + table * 5, lookups)
-            tl.atomic_add(counts_ptr + table * 5 + 1, hits)
-            if TRAIN:
-                tl.atomic_add(counts_ptr + table * 5 + 3, (lookups - hits) * tl.load(inserting_ptr + table))
+    t = tl.load(seg_tid_ptr + s, mask=live, other=-1).to(tl.int64)
+    slot = tl.load(slot_ptr + s, mask=live, other=-1)
+    stored = live & (slot >= 0)
+    tl.store(rows_ptr + s, tl.where(stored, (t << SLOT_BITS) | slot, -1), mask=live)
+    if COUNT:
+        for table in range(0, tables):
+            mine = live & (t == table)
+            lookups = tl.sum(mine.to(tl.int64), axis=0)
+            if lookups > 0:
+                hits = tl.sum((mine & stored).to(tl.int64), axis=0)
+                tl.atomic_add(counts_ptr + table * 5, lookups)
+                tl.atomic_add(counts_ptr + table * 5 + 1, hits)
+                if TRAIN:
+                    tl.atomic_add(counts_ptr + table * 5 + 3, (lookups - hits) * tl.load(inserting_ptr + table))
