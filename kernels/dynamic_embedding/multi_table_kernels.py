@@ -77,13 +77,6 @@ def _gather_kernel(
         tl.store(out_ptr + lane[:, None].to(tl.int64) * dim + cols[None, :], value, mask=live[:, None] & in_dim)
 
 
-# The update sums the first LONG lanes of a segment (the lanes of one row, contiguous in
-# sorted order) in the program that updates its row. Lanes past those (hot ids: a power
-# law gives some thousands of lanes) are summed first, tile by tile across programs, into
-# a partial sum at index start // LONG, which differs between such segments since they
-# start more than LONG apart.
-
-
 @triton.jit
 def _pack_kernel(key_ptr, tid_ptr, n, packed_ptr, BLOCK: tl.constexpr):
     """The sort key of each lane: the hash of its id (a bijection) with the table xored
@@ -131,6 +124,13 @@ def _segments_kernel(
         cols = tl.arange(0, DIM)
         zero = tl.zeros([BLOCK, DIM], tl.float32)
         tl.store(partial_ptr + (i // LONG)[:, None].to(tl.int64) * dim + cols[None, :], zero, mask=long[:, None] & (cols[None, :] < dim))
+
+
+# The update sums the first LONG lanes of a segment (the lanes of one row, contiguous in
+# sorted order) in the program that updates its row. Lanes past those (hot ids: a power
+# law gives some thousands of lanes) are summed first, tile by tile across programs, into
+# a partial sum at index start // LONG, which differs between such segments since they
+# start more than LONG apart.
 
 
 @triton.jit
