@@ -70,7 +70,6 @@ class _Routing:
     used."""
 
     ids: tuple  # the id tensors looked up (the update checks it gets the same ones)
-    placements: tuple  # the tables' placement counts after the lookup (nothing moved since)
     order: torch.Tensor  # (N,) lanes in sorted order
     seg: torch.Tensor  # (N,) segment of each sorted lane
     lane_seg: torch.Tensor  # (N,) segment of each lane
@@ -80,6 +79,9 @@ class _Routing:
     tids: torch.Tensor  # each segment's table
     rows: torch.Tensor  # each segment's packed row (table << SLOT_BITS | slot); < 0: no row
     partial: torch.Tensor  # gradient sums of long segments (multi_table_kernels.py), zeroed
+    # set by a lookup after its claim: the tables' placement counts (the update checks that
+    # nothing moved since)
+    placements: tuple = ()
 
 
 class _Group:
@@ -172,7 +174,7 @@ class _Group:
             r.lane_seg, keys, tids, slots, n, self._descriptors(), self._seeds, self._scales, out, self.dim, self.row_stride,
             BLOCK=GATHER_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.dim)), num_warps=GATHER_WARPS,
         )
-        r.placements = self._placements()  # after the claim's inserts: the update checks nothing moved since
+        r.placements = self._placements()
         self.routing = r
         return list(out.split(sizes))
 
@@ -226,7 +228,7 @@ class _Group:
             seg, order, keys, tids, n, lane_seg, starts, seg_keys, seg_tids, partial, self.dim,
             LONG=LONG_SEGMENT, BLOCK=256, DIM=triton.next_power_of_2(self.dim),
         )
-        return _Routing(ids, self._placements(), order, seg, lane_seg, seg[-1:] + 1, starts, seg_keys, seg_tids, rows, partial)
+        return _Routing(ids, order, seg, lane_seg, seg[-1:] + 1, starts, seg_keys, seg_tids, rows, partial)
 
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
