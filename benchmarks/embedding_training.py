@@ -11,8 +11,9 @@ The tables are one DynamicEmbeddingCollection (all ten in one group: one launch 
 kernel for all tables); --per-table also times ten DynamicEmbeddings called one by one.
 Times are CUDA events around 100 back-to-back iterations (no sync between them) after
 10 warm-up iterations, each iteration with fresh ids. Tier "host": 10% of the rows on the
-GPU, the rest in pinned host memory, the next batch's rows prefetched in each iteration;
-its tables start empty.
+GPU, the rest in pinned host memory (worked in place by GPU kernels), the next batch's
+rows prefetched in each iteration; its tables are filled the same way, in smaller
+lookups (a lookup's new ids must fit the device tier).
 """
 import argparse
 import sys
@@ -48,10 +49,10 @@ def run(optimizer: str, iters: int, warmup: int, tier: str = "hbm", per_table: b
     )
     names = [f"t{i}" for i in range(TABLES)]
     tables = DynamicEmbeddingCollection({n: config for n in names}, "cuda")
-    # every id of the range first, as dynamicemb's benchmark (not for the host tier, whose
-    # inserts run on the CPU: it starts empty)
-    for start in range(0, CAPACITY if tier == "hbm" else 0, 1 << 20):
-        chunk = torch.arange(start, min(start + (1 << 20), CAPACITY), device="cuda")
+    # every id of the range first, as dynamicemb's benchmark
+    fill = 1 << 20 if tier == "hbm" else 1 << 15
+    for start in range(0, CAPACITY, fill):
+        chunk = torch.arange(start, min(start + fill, CAPACITY), device="cuda")
         tables.lookup({n: chunk for n in names})
     grads = {n: torch.randn(IDS, DIM, device="cuda", generator=gen) for n in names}
     batches = [{n: power_law_ids(IDS, CAPACITY, ALPHA, gen) for n in names} for _ in range(warmup + iters + 1)]

@@ -196,3 +196,47 @@ def test_device_tier_caches_a_host_tier_and_loses_nothing(backend):
     torch.testing.assert_close(tiered.lookup(everything.to(device), train=False).cpu(), flat.lookup(everything, train=False), rtol=1e-5, atol=1e-6)
     keys, emb, state, _ = tiered.export_rows()
     assert len(set(keys.tolist())) == len(keys) == s.size  # each row in one tier
+
+
+def tiny_tiered(backend: str, eviction: str = "lru") -> DynamicEmbedding:
+    """64 device rows in one bucket (eviction by score across the whole tier) in front of
+    host memory."""
+    cfg = EmbeddingConfig(dim=2, optimizer=OptimizerConfig(name="sgd"), capacity=64, bucket_size=64, max_capacity=1024,
+                          device_capacity=64, eviction=eviction, backend=backend)
+    return DynamicEmbedding(cfg, on(backend))
+
+
+def train_step(e: DynamicEmbedding, ids: torch.Tensor) -> None:
+    e.apply_gradients(ids, torch.zeros_like(e.lookup(ids)))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_prefetched_rows_stay_on_the_device_until_their_lookup(backend):
+    """Under LRU a prefetched batch's rows get the next step's score: the current batch's
+    inserts evict older rows instead, and the next lookup finds all of them on the device."""
+    e = tiny_tiered(backend)
+    ids = lambda a, b: torch.arange(a, b, device=e.device)  # noqa: E731
+    for start in range(0, 256, 32):  # rows 192..255 on the device, the rest in host memory
+        train_step(e, ids(start, start + 32))
+    nxt, cur = ids(0, 20), ids(100, 120)
+    e.prefetch(nxt)
+    promoted = e.stats().promotions
+    assert promoted == 20 and (e.table.find(nxt) >= 0).all()
+    train_step(e, cur)  # 20 more promotions, which must not evict the prefetched rows
+    assert e.stats().promotions == promoted + 20
+    hits = e.stats().hits
+    train_step(e, nxt)
+    assert e.stats().promotions == promoted + 20 and e.stats().hits == hits + 20
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_lfu_counts_survive_a_trip_through_host_memory(backend):
+    e = tiny_tiered(backend, eviction="lfu")
+    five = torch.tensor([5], device=e.device)
+    for _ in range(3):
+        train_step(e, five)
+    train_step(e, torch.arange(100, 164, device=e.device).repeat(4))  # 64 rows of count 4 push id 5 out
+    assert e.table.find(five).item() == -1 and e.host.find(five).item() >= 0
+    train_step(e, five.repeat(2))  # 3 uses before, 2 now: outranks the rows of count 4
+    slot = e.table.find(five).item()
+    assert slot >= 0 and e.table.scores[slot].item() == 5

@@ -25,7 +25,9 @@ from .triton_table import ROW_ALIGN
 # score of a row: lru = step of last use; lfu = uses so far; epoch_lru / epoch_lfu = epoch in
 # the high 32 bits, step or uses within the epoch in the low 32; custom = given by the
 # caller; none = lru scores, but a full table never evicts (grow only)
+SLOT_BYTES = 8 + 8 + 1 + 4  # per slot besides its row: key, score, digest, mark (always on the device)
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "custom", "none")
+STEP_POLICIES = ("lru", "epoch_lru", "none")  # scores from the step (and epoch) alone
 BACKENDS = ("auto", "reference", "triton")
 
 
@@ -43,20 +45,24 @@ def table_class(backend: str, device: torch.device):
 
 
 def make_table(
-    config: "EmbeddingConfig", device: torch.device, row_dim: int | None = None, capacity: int | None = None, evict: bool | None = None
+    config: "EmbeddingConfig", device: torch.device, row_dim: int | None = None, capacity: int | None = None,
+    evict: bool | None = None, host_rows: bool = False,
 ):
     """The table for a config (row_dim, capacity, eviction overridable: admission counters,
-    the device tier of a tiered table)."""
+    the tiers of a tiered table). host_rows: rows in pinned host memory, all allocated at
+    once (growing would stage every row through device memory)."""
     cls = table_class(config.backend, device)
     kwargs = {"deterministic": config.deterministic} if cls is not ReferenceHashTable else {}
+    max_capacity = capacity or config.max_capacity
     return cls(
         row_dim or config.row_dim,
-        capacity=min(config.capacity, capacity) if capacity else config.capacity,
-        max_capacity=capacity or config.max_capacity,
+        capacity=max_capacity if host_rows else min(config.capacity, max_capacity),
+        max_capacity=max_capacity,
         bucket_size=config.bucket_size,
         max_load_factor=config.max_load_factor,
         device=device,
         evict=config.eviction != "none" if evict is None else evict,
+        host_rows=host_rows,
         **kwargs,
     )
 
@@ -91,12 +97,17 @@ class EmbeddingConfig:
     def row_dim(self) -> int:
         return self.dim + self.optimizer.state_dim(self.dim)
 
-    def bytes_per_row(self, dtype: torch.dtype = torch.float32) -> int:
-        """Memory of one slot as the Triton table keeps it: the row (embedding + optimizer
-        state, padded to a multiple of ROW_ALIGN values), key, score, digest and the mark
-        of the last call that used it (the reference table needs less)."""
+    def row_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Memory of one row as the Triton table keeps it: embedding + optimizer state,
+        padded to a multiple of ROW_ALIGN values."""
         stride = -(-self.row_dim // ROW_ALIGN.value) * ROW_ALIGN.value
-        return stride * torch.finfo(dtype).bits // 8 + 8 + 8 + 1 + 4
+        return stride * torch.finfo(dtype).bits // 8
+
+    def bytes_per_row(self, dtype: torch.dtype = torch.float32) -> int:
+        """Memory of one slot as the Triton table keeps it: the row and SLOT_BYTES of key,
+        score, digest and the mark of the last call that used it (the reference table
+        needs less)."""
+        return self.row_bytes(dtype) + SLOT_BYTES
 
     def table_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Memory one rank's table takes at max_capacity (rounded up to whole buckets)."""
@@ -160,17 +171,15 @@ class DynamicEmbedding:
         self.config = config
         self.device = torch.device(device)
         # with device_capacity, `table` is the device tier and `host` the rest: a row lives
-        # in one of them; lookups promote host rows, the device tier demotes what it evicts
+        # in one of them; lookups promote host rows, the device tier demotes what it evicts.
+        # The host tier's rows are in pinned host memory, its keys and scores on the device:
+        # both tiers are worked by GPU kernels
         self.host = None
         if config.device_capacity is None:
             self.table = make_table(config, self.device)
         else:
             self.table = make_table(config, self.device, capacity=config.device_capacity, evict=True)
-            self.host = ReferenceHashTable(
-                config.row_dim, capacity=config.capacity, max_capacity=config.max_capacity,
-                bucket_size=config.bucket_size, max_load_factor=config.max_load_factor,
-                evict=config.eviction != "none", pin_memory=self.device.type == "cuda",
-            )
+            self.host = make_table(config, self.device, host_rows=True)
         # counts of ids not yet admitted, kept as the counter table's scores
         self.counters = (
             make_table(config, self.device, row_dim=1, capacity=config.admission_capacity)
@@ -182,11 +191,17 @@ class DynamicEmbedding:
         self._stats = TableStats()
         # counted on the device, so lookups never wait for it (order: COUNTED)
         self._counts = torch.zeros(len(COUNTED), dtype=torch.int64, device=self.device)
+        self._promotions = torch.zeros((), dtype=torch.int64, device=self.device)  # tiered tables
         self._fused = type(self.table) is not ReferenceHashTable  # Triton: fused update kernel
 
     @property
     def dim(self) -> int:
         return self.config.dim
+
+    @property
+    def _tiers(self) -> tuple:
+        """The tables holding rows (a row lives in one): the device's, then the host tier."""
+        return (self.table,) if self.host is None else (self.table, self.host)
 
     def initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Fresh rows for keys: seeded embedding (a function of key and seed) + zero state."""
@@ -236,19 +251,19 @@ class DynamicEmbedding:
     def _rows_off_device(self, keys: torch.Tensor, take: bool) -> tuple[torch.Tensor, int]:
         """Rows for keys without a device row: their host row where the host tier stores
         one, else their initial row. take: the host rows move (they are removed there and
-        counted as promotions). Returns (rows, how many came from the host)."""
+        counted as promotions). Returns (rows, how many came from the host: a device
+        count)."""
         rows = self.initial_rows(keys)
         if self.host is None:
             return rows, 0
-        host_keys = keys.cpu()
-        slots = self.host.find(host_keys)
+        slots = self.host.find(keys)
+        rows = rows.to(self.host.dtype)
+        self.host._load_rows(slots, rows)  # rows of keys found; the others keep their initial row
         found = slots != MISSING
-        n = int(found.sum())
-        if n:
-            rows[found.to(rows.device)] = self.host.values[slots[found]].to(rows.device, non_blocking=True)
-            if take:
-                self.host.erase(host_keys[found])
-                self._stats.promotions += n
+        n = found.sum()
+        if take:
+            self.host._clear(slots[found])
+            self._promotions += n
         return rows, n
 
     def _demote(self, evicted) -> None:
@@ -258,26 +273,30 @@ class DynamicEmbedding:
             self._counts[4] += n
             return
         self._stats.demotions += n
-        lost = self.host.insert_or_assign(evicted.keys.cpu(), evicted.rows.cpu(), evicted.scores.cpu())
+        lost = self.host.insert_or_assign(evicted.keys, evicted.rows, evicted.scores)
         self._counts[4] += lost.keys.numel()
 
-    def prefetch(self, ids: torch.Tensor) -> int:
-        """Moves the host rows of ids (the next batch's) to the device ahead of their lookup;
-        returns how many moved. Scores are kept. A no-op without a host tier."""
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Moves the host rows of ids (the next batch's, looked up after this step's update)
+        to the device ahead of their lookup (counted in stats().promotions). Under the
+        step-based policies (STEP_POLICIES) the batch's rows on the device get the score
+        of the next step, which its lookup would give them, so that this step's inserts do
+        not evict them first; other policies keep the rows' scores. A no-op without a host
+        tier."""
         if self.host is None or ids.numel() == 0:
-            return 0
-        uniq = torch.unique(ids.cpu())
+            return
+        uniq = torch.unique(ids.to(self.device))
         host_slots = self.host.find(uniq)
-        found = host_slots != MISSING
-        if not bool(found.any()):
-            return 0
-        dev_keys = uniq[found].to(self.device)
-        slots, inserted, evicted = self.table.find_or_insert(dev_keys, self.host.scores[host_slots[found]].to(self.device))
+        in_host = host_slots != MISSING
+        if self.config.eviction in STEP_POLICIES:
+            keys = uniq[in_host | (self.table.find(uniq) != MISSING)]
+            scores = torch.full_like(keys, self._step_score(self.step + 1))
+        else:
+            keys, scores = uniq[in_host], self.host.scores[host_slots[in_host]]
+        slots, inserted, evicted = self.table.find_or_insert(keys, scores)
         moved = inserted.nonzero().squeeze(1)
-        rows, n = self._rows_off_device(dev_keys[moved], take=True)
-        self.table.values[slots[moved]] = rows
+        self.table.values[slots[moved]] = self._rows_off_device(keys[moved], take=True)[0]
         self._demote(evicted)
-        return n
 
     def _scores(self, uniq, counts, inverse, given) -> torch.Tensor:
         policy = self.config.eviction
@@ -285,17 +304,22 @@ class DynamicEmbedding:
             if given is None:
                 raise ValueError("the custom eviction policy needs scores in lookup()")
             return highest_per_key(uniq.numel(), inverse, given)
-        epoch = self.epoch << 32
-        if policy in ("lru", "none"):
-            return torch.full_like(uniq, self.step)
-        if policy == "epoch_lru":
-            return torch.full_like(uniq, epoch | (self.step & 0xFFFFFFFF))
-        slots = self.table.find(uniq)  # lfu: uses so far + uses in this batch
-        old = torch.where(slots != MISSING, self.table.scores[slots.clamp(min=0)], 0)
+        if policy in STEP_POLICIES:
+            return torch.full_like(uniq, self._step_score(self.step))
+        old = torch.zeros_like(uniq)  # lfu: uses so far (in either tier) + uses in this batch
+        for table in self._tiers:
+            slots = table.find(uniq)
+            old = torch.where(slots != MISSING, table.scores[slots.clamp(min=0)], old)
         if policy == "lfu":
             return old + counts
         same_epoch = (old >> 32) == self.epoch  # epoch_lfu: uses counted within the epoch
-        return epoch | ((torch.where(same_epoch, old & 0xFFFFFFFF, 0) + counts) & 0xFFFFFFFF)
+        return (self.epoch << 32) | ((torch.where(same_epoch, old & 0xFFFFFFFF, 0) + counts) & 0xFFFFFFFF)
+
+    def _step_score(self, step: int) -> int:
+        """The score of a row used at `step` under a step-based policy."""
+        if self.config.eviction == "epoch_lru":
+            return (self.epoch << 32) | (step & 0xFFFFFFFF)
+        return step
 
     def _admit(self, uniq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Which unique ids may have a row: those stored already, and new ones whose count
@@ -319,28 +343,18 @@ class DynamicEmbedding:
         if ids.numel() == 0:
             return
         uniq, summed, _ = sum_by_key(ids, grads.to(self.device, torch.float32), self.table.deterministic)
-        slots = self.table.find(uniq)  # MISSING for ids without a device row
-        if self.host is not None:
-            self._update_host_rows(uniq, summed, slots == MISSING)
-        if self._fused:
-            fused_update(self.config.optimizer, self.table.values, slots, summed, self.dim)
-            return
-        present = slots != MISSING
-        slots = slots[present]
-        self.table.values[slots] = optimizers.update(
-            self.config.optimizer, self.table.values[slots], summed[present], self.dim
-        ).to(self.table.dtype)
-
-    def _update_host_rows(self, uniq, summed, off_device) -> None:
-        """Rows that stayed in the host tier (their device bucket was full) train there."""
-        idx = off_device.nonzero().squeeze(1)
-        if idx.numel() == 0:
-            return
-        slots = self.host.find(uniq[idx].cpu())
-        found = slots != MISSING
-        slots = slots[found]
-        grads = summed[idx][found.to(summed.device)].cpu()
-        self.host.values[slots] = optimizers.update(self.config.optimizer, self.host.values[slots], grads, self.dim)
+        # a row lives in one tier: rows that stayed in the host tier (their device bucket
+        # was full) train there, in place
+        for table in self._tiers:
+            slots = table.find(uniq)  # MISSING for ids without a row in this tier
+            if self._fused:
+                fused_update(self.config.optimizer, table.values, slots, summed, self.dim)
+                continue
+            present = slots != MISSING
+            slots = slots[present]
+            table.values[slots] = optimizers.update(
+                self.config.optimizer, table.values[slots], summed[present], self.dim
+            ).to(table.dtype)
 
     def stats(self) -> TableStats:
         s = TableStats(**asdict(self._stats))
@@ -349,19 +363,21 @@ class DynamicEmbedding:
         s.size, s.capacity = self.table.size(), self.table.capacity
         s.bytes_device = self.table.capacity * self.config.bytes_per_row(self.table.dtype)
         if self.host is not None:
+            s.promotions = int(self._promotions)
             s.size += self.host.size()
             s.capacity += self.host.capacity
-            s.bytes_host = self.host.capacity * self.config.bytes_per_row(self.host.dtype)
+            s.bytes_host = self.host.capacity * self.config.row_bytes(self.host.dtype)
+            s.bytes_device += self.host.capacity * SLOT_BYTES
         return s
 
     # ---- rows in and out (dump/load) ------------------------------------------------------
     def export_rows(self, min_score: int | None = None):
         """(keys, embeddings, optimizer_state, scores) of stored rows, both tiers (on the
-        host when tiered)."""
+        CPU when tiered)."""
         keys, rows, scores = self.table.export(min_score)
         if self.host is not None:
             host = self.host.export(min_score)
-            keys, rows, scores = (torch.cat([a.cpu(), b]) for a, b in zip((keys, rows, scores), host))
+            keys, rows, scores = (torch.cat([a.cpu(), b.cpu()]) for a, b in zip((keys, rows, scores), host))
         return keys, rows[:, : self.dim], rows[:, self.dim :], scores
 
     def import_rows(self, keys, embeddings, state, scores) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .hashing import EMPTY_KEY, bucket_of
+from .host_memory import host_mapped
 
 MISSING = -1  # slot index returned for a key that is not stored
 
@@ -98,7 +99,7 @@ class ReferenceHashTable:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         evict: bool = True,
-        pin_memory: bool = False,
+        host_rows: bool = False,
     ):
         if bucket_size <= 0 or row_dim <= 0:
             raise ValueError("bucket_size and row_dim must be positive")
@@ -109,7 +110,9 @@ class ReferenceHashTable:
         self.bucket_size = bucket_size
         self.max_load_factor = max_load_factor
         self.evict = evict
-        self.pin_memory = pin_memory  # host tables: page-locked, for fast copies to a GPU
+        # rows in pinned host memory, reached in place from a CUDA device (host_memory.py);
+        # keys and scores stay on the device
+        self.host_rows = host_rows
         self.dtype = dtype
         self.device = torch.device(device)
         # power-of-two bucket counts: doubling splits each bucket in two, so a re-hash
@@ -129,8 +132,9 @@ class ReferenceHashTable:
         self.values = self._new_values(cap)
 
     def _new_values(self, capacity: int) -> torch.Tensor:
-        values = torch.zeros(capacity, self.row_dim, dtype=self.dtype, device=self.device)
-        return values.pin_memory() if self.pin_memory else values
+        if self.host_rows:
+            return host_mapped((capacity, self.row_dim), self.dtype, self.device)[1]
+        return torch.zeros(capacity, self.row_dim, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
