@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, ReferenceHashTable
 from kernels.dynamic_embedding.triton_table import TritonHashTable
-from kernels.dynamic_embedding.hashing import bucket_of
+from kernels.dynamic_embedding.hashing import EMPTY_KEY, bucket_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 64 if DEVICE == "cuda" else 1  # batch sizes on a GPU
@@ -154,6 +154,17 @@ def test_triton_table_refuses_odd_bucket_sizes_and_handles_empty_calls():
     assert t.find(empty).numel() == 0 and t.export()[0].numel() == 0
     assert t.find_values(empty, torch.empty(0, 2, device=DEVICE)).numel() == 0
     assert t.accumulate(empty, torch.empty(0, 2, device=DEVICE), empty).keys.numel() == 0
+
+
+def test_triton_find_never_finds_the_reserved_key_and_inserts_refuse_it():
+    t = TritonHashTable(row_dim=2, capacity=16, bucket_size=8, device=DEVICE, deterministic=False)
+    keys = torch.tensor([3, 4], device=DEVICE)
+    t.find_or_insert(keys, torch.zeros_like(keys))
+    probe = torch.tensor([EMPTY_KEY, 3, 5], device=DEVICE)
+    slots = t.find(probe)  # the empty slots hold EMPTY_KEY: a plain key compare would match them
+    assert slots[0].item() == -1 and slots[1].item() >= 0 and slots[2].item() == -1
+    with pytest.raises(ValueError, match="reserved"):
+        t.find_or_insert(probe, torch.zeros_like(probe))
 
 
 @pytest.mark.parametrize("max_capacity", [64, 1 << 12], ids=["evicting", "growing"])

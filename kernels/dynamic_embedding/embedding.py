@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from . import optimizers
-from .hashing import shard_of, uniform_from_keys
+from .hashing import EMPTY_KEY, shard_of, uniform_from_keys
 from .optimizers import OptimizerConfig
 from .table import MISSING, ReferenceHashTable, highest_per_key, sum_by_key
 from .triton_optimizers import fused_update
+from .tiers import copy_rows, swap_in
 from .triton_table import ROW_ALIGN
 
 # score of a row: lru = step of last use; lfu = uses so far; epoch_lru / epoch_lfu = epoch in
@@ -46,17 +47,18 @@ def table_class(backend: str, device: torch.device):
 
 def make_table(
     config: "EmbeddingConfig", device: torch.device, row_dim: int | None = None, capacity: int | None = None,
-    evict: bool | None = None, host_rows: bool = False,
+    evict: bool | None = None, host_rows: bool = False, preallocate: bool = False,
 ):
     """The table for a config (row_dim, capacity, eviction overridable: admission counters,
-    the tiers of a tiered table). host_rows: rows in pinned host memory, all allocated at
-    once (growing would stage every row through device memory)."""
+    the tiers of a tiered table). host_rows: rows in pinned host memory; preallocate: all
+    slots at once (tiers never grow: growing the host tier would stage every row through
+    device memory, and tiers that cannot grow are moved between without waiting)."""
     cls = table_class(config.backend, device)
     kwargs = {"deterministic": config.deterministic} if cls is not ReferenceHashTable else {}
     max_capacity = capacity or config.max_capacity
     return cls(
         row_dim or config.row_dim,
-        capacity=max_capacity if host_rows else min(config.capacity, max_capacity),
+        capacity=max_capacity if preallocate else min(config.capacity, max_capacity),
         max_capacity=max_capacity,
         bucket_size=config.bucket_size,
         max_load_factor=config.max_load_factor,
@@ -178,8 +180,8 @@ class DynamicEmbedding:
         if config.device_capacity is None:
             self.table = make_table(config, self.device)
         else:
-            self.table = make_table(config, self.device, capacity=config.device_capacity, evict=True)
-            self.host = make_table(config, self.device, host_rows=True)
+            self.table = make_table(config, self.device, capacity=config.device_capacity, evict=True, preallocate=True)
+            self.host = make_table(config, self.device, host_rows=True, preallocate=True)
         # counts of ids not yet admitted, kept as the counter table's scores
         self.counters = (
             make_table(config, self.device, row_dim=1, capacity=config.admission_capacity)
@@ -191,8 +193,13 @@ class DynamicEmbedding:
         self._stats = TableStats()
         # counted on the device, so lookups never wait for it (order: COUNTED)
         self._counts = torch.zeros(len(COUNTED), dtype=torch.int64, device=self.device)
-        self._promotions = torch.zeros((), dtype=torch.int64, device=self.device)  # tiered tables
+        self._dedup = None  # the last lookup's ids and their torch.unique
+        self._moves = torch.zeros(2, dtype=torch.int64, device=self.device)  # tiered: promotions, demotions
         self._fused = type(self.table) is not ReferenceHashTable  # Triton: fused update kernel
+        # tiered Triton tables in fast mode move rows between tiers in one pass (tiers.py)
+        self._swaps = (
+            self.host is not None and self._fused and not self.table.deterministic and self.counters is None
+        )
 
     @property
     def dim(self) -> int:
@@ -220,8 +227,13 @@ class DynamicEmbedding:
         if ids.numel() == 0:
             return torch.empty(0, self.dim, device=self.device)
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        # the update of the same ids (unchanged since: same version) reuses this, which
+        # saves it waiting for the GPU
+        self._dedup = (ids, ids._version, (uniq, inverse, counts))
         if train and not self.config.read_only:
             uscores = self._scores(uniq, counts, inverse, scores)
+            if self._swaps:
+                return self._swap_lookup(uniq, uscores)[inverse]
             keep = self._admit(uniq, counts) if self.counters is not None else None
             kept = uniq if keep is None else uniq[keep]
             kept_slots, inserted, evicted = self.table.find_or_insert(kept, uscores if keep is None else uscores[keep])
@@ -248,6 +260,23 @@ class DynamicEmbedding:
             emb[missing] = self._rows_off_device(uniq[missing], take=False)[0][:, : self.dim]
         return emb[inverse]
 
+    def _swap_lookup(self, uniq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """A training lookup's distinct ids through swap_in: embeddings (U, dim)."""
+        rows = torch.empty(uniq.numel(), self.config.row_dim, device=self.device)
+        slots, inserted, promoted, demoted, lost = swap_in(self.table, self.host, uniq, scores, rows, self._init)
+        emb = rows[:, : self.dim].contiguous()  # ids without a device row: host or initial row
+        copy_rows(self.table.values, slots, emb, None, self.dim)
+        stored, n_promoted = slots >= 0, promoted.sum()
+        self._counts[0] += uniq.numel()
+        self._counts[1:] += torch.stack([(stored & ~inserted).sum() + n_promoted, (inserted & ~promoted).sum(), (~stored).sum(), lost])
+        self._moves += torch.stack([n_promoted, demoted])
+        return emb
+
+    @property
+    def _init(self) -> tuple[int, float, int]:
+        """What a row's initial embedding is a function of, besides its key (initial_rows)."""
+        return self.config.seed, 3**0.5 * self.config.init_std, self.dim
+
     def _rows_off_device(self, keys: torch.Tensor, take: bool) -> tuple[torch.Tensor, int]:
         """Rows for keys without a device row: their host row where the host tier stores
         one, else their initial row. take: the host rows move (they are removed there and
@@ -263,7 +292,7 @@ class DynamicEmbedding:
         n = found.sum()
         if take:
             self.host._clear(slots[found])
-            self._promotions += n
+            self._moves[0] += n
         return rows, n
 
     def _demote(self, evicted) -> None:
@@ -272,7 +301,7 @@ class DynamicEmbedding:
         if self.host is None or n == 0:
             self._counts[4] += n
             return
-        self._stats.demotions += n
+        self._moves[1] += n
         lost = self.host.insert_or_assign(evicted.keys, evicted.rows, evicted.scores)
         self._counts[4] += lost.keys.numel()
 
@@ -285,14 +314,24 @@ class DynamicEmbedding:
         tier."""
         if self.host is None or ids.numel() == 0:
             return
-        uniq = torch.unique(ids.to(self.device))
+        # swap_in takes copies of an id (one lane of them moves its row): no waiting for unique
+        uniq = ids.to(self.device) if self._swaps else torch.unique(ids.to(self.device))
         host_slots = self.host.find(uniq)
         in_host = host_slots != MISSING
         if self.config.eviction in STEP_POLICIES:
-            keys = uniq[in_host | (self.table.find(uniq) != MISSING)]
-            scores = torch.full_like(keys, self._step_score(self.step + 1))
+            wanted = in_host | (self.table.find(uniq) != MISSING)
+            scores = torch.full_like(uniq, self._step_score(self.step + 1))
         else:
-            keys, scores = uniq[in_host], self.host.scores[host_slots[in_host]]
+            wanted, scores = in_host, self.host.scores[host_slots.clamp(min=0)]
+        if self._swaps:  # ids in neither tier are left out
+            rows = torch.empty(uniq.numel(), self.config.row_dim, device=self.device)
+            _, _, promoted, demoted, lost = swap_in(
+                self.table, self.host, torch.where(wanted, uniq, EMPTY_KEY), scores, rows, self._init
+            )
+            self._moves += torch.stack([promoted.sum(), demoted])
+            self._counts[4] += lost
+            return
+        keys, scores = uniq[wanted], scores[wanted]
         slots, inserted, evicted = self.table.find_or_insert(keys, scores)
         moved = inserted.nonzero().squeeze(1)
         self.table.values[slots[moved]] = self._rows_off_device(keys[moved], take=True)[0]
@@ -342,7 +381,9 @@ class DynamicEmbedding:
         ids = ids.to(self.device)
         if ids.numel() == 0:
             return
-        uniq, summed, _ = sum_by_key(ids, grads.to(self.device, torch.float32), self.table.deterministic)
+        d = self._dedup
+        known = d[2] if d is not None and d[0] is ids and d[1] == ids._version else None
+        uniq, summed, _ = sum_by_key(ids, grads.to(self.device, torch.float32), self.table.deterministic, known)
         # a row lives in one tier: rows that stayed in the host tier (their device bucket
         # was full) train there, in place
         for table in self._tiers:
@@ -363,7 +404,7 @@ class DynamicEmbedding:
         s.size, s.capacity = self.table.size(), self.table.capacity
         s.bytes_device = self.table.capacity * self.config.bytes_per_row(self.table.dtype)
         if self.host is not None:
-            s.promotions = int(self._promotions)
+            s.promotions, s.demotions = self._moves.tolist()
             s.size += self.host.size()
             s.capacity += self.host.capacity
             s.bytes_host = self.host.capacity * self.config.row_bytes(self.host.dtype)

@@ -34,12 +34,13 @@ def highest_per_key(n_keys: int, inverse: torch.Tensor, scores: torch.Tensor) ->
 
 
 def sum_by_key(
-    keys: torch.Tensor, rows: torch.Tensor, deterministic: bool = True
+    keys: torch.Tensor, rows: torch.Tensor, deterministic: bool = True, dedup: tuple | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(unique keys ascending, sum of each key's rows, inverse index). deterministic: rows
     are added in a fixed order on every device; else on CUDA with atomics (index_add_),
-    much faster, in an order that varies in the last bits."""
-    uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    much faster, in an order that varies in the last bits. dedup: torch.unique's (keys,
+    inverse, counts) of `keys`, when known."""
+    uniq, inverse, counts = dedup or torch.unique(keys, return_inverse=True, return_counts=True)
     if deterministic and keys.is_cuda and keys.numel():
         order = torch.argsort(inverse, stable=True)
         return uniq, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0), inverse
@@ -150,10 +151,12 @@ class ReferenceHashTable:
     def load_factor(self) -> float:
         return self.size() / self.capacity
 
-    def _check_keys(self, keys: torch.Tensor) -> torch.Tensor:
+    def _check_keys(self, keys: torch.Tensor, reserved_ok: bool = False) -> torch.Tensor:
+        """keys on the table's device; refuses the reserved key unless reserved_ok (a read
+        that never matches it), which saves waiting for the GPU to check."""
         if keys.dtype != torch.int64 or keys.dim() != 1:
             raise TypeError(f"keys must be a 1-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
-        if keys.numel() and bool((keys == EMPTY_KEY).any()):
+        if not reserved_ok and keys.numel() and bool((keys == EMPTY_KEY).any()):
             raise ValueError(f"key {EMPTY_KEY} is reserved (marks an empty slot)")
         return keys.to(self.device)
 

@@ -563,7 +563,9 @@ class TritonHashTable(ReferenceHashTable):
         return probe(self._descriptor, keys, self.bucket_size, self.row_stride, out=out)
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
-        return self._probe(self._check_keys(keys).contiguous())
+        """As the reference's, but the reserved key is not refused: it is never found (its
+        digest never matches an empty slot's)."""
+        return self._probe(self._check_keys(keys, reserved_ok=True).contiguous())
 
     def find_values(self, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Fused probe and copy: out[i] = first out.shape[1] values of key i's row where

@@ -1,0 +1,137 @@
+"""Moving rows between the device tier and the host tier of a tiered table in one pass.
+
+`swap_in` gives a call's keys device rows: rows found in host memory move up, the device
+rows their inserts evict move down, and new keys get their initial rows, all by lanes
+(one key each) with masks, so that nothing waits for the GPU. It serves Triton tables in
+fast mode whose tiers are allocated at their full capacity (they never grow); other
+tables take DynamicEmbedding's general path, its oracle in the tests.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .hashing import EMPTY_KEY
+from .multi_table_kernels import _initial_embedding
+from .triton_table import FIND_BLOCK, FIND_WARPS, TritonHashTable, _grid, claim, probe
+
+INIT_BLOCK = 64  # lanes per program of row initialisation, which most lanes skip
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr, src_slot_ptr, src_stride, dst_ptr, dst_slot_ptr, dst_stride, n, width,
+    SRC_SLOTS: tl.constexpr, DST_SLOTS: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """dst[dst_slot[i]] = src[src_slot[i]][:width] for lanes whose slots are both >= 0 (a
+    side without slots is addressed by lane). Destination rows are written whole, up to
+    dst_stride, with zeros past width: a write that ends inside a 64-byte line is a
+    partial one over PCIe, many times slower into host memory."""
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lanes < n
+    src = lanes.to(tl.int64)
+    dst = lanes.to(tl.int64)
+    if SRC_SLOTS:
+        src = tl.load(src_slot_ptr + lanes, mask=live, other=-1)
+    if DST_SLOTS:
+        dst = tl.load(dst_slot_ptr + lanes, mask=live, other=-1)
+    live = live & (src >= 0) & (dst >= 0)
+    for c in range(0, dst_stride, DIM_BLOCK):
+        cols = c + tl.arange(0, DIM_BLOCK)
+        row = tl.load(src_ptr + src[:, None] * src_stride + cols[None, :], mask=live[:, None] & (cols[None, :] < width), other=0)
+        tl.store(dst_ptr + dst[:, None] * dst_stride + cols[None, :], row, mask=live[:, None] & (cols[None, :] < dst_stride))
+
+
+@triton.jit
+def _release_slots_kernel(slot_ptr, n, keys_ptr, scores_ptr, digests_ptr, BLOCK: tl.constexpr):
+    """Empties the slots given (those >= 0)."""
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slot_ptr + lanes, mask=lanes < n, other=-1)
+    ok = slot >= 0
+    tl.store(keys_ptr + slot, tl.full([BLOCK], -9223372036854775807 - 1, tl.int64), mask=ok)
+    tl.store(scores_ptr + slot, tl.zeros([BLOCK], tl.int64), mask=ok)
+    tl.store(digests_ptr + slot, tl.zeros([BLOCK], tl.uint8), mask=ok)
+
+
+@triton.jit
+def _initial_rows_kernel(
+    key_ptr, host_slot_ptr, slot_ptr, inserted_ptr, rows_ptr, n, seed, scale, dim, row_dim,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """rows[i] = key i's initial row (embedding, zero optimizer state) where the key has no
+    host row and needs one: it was inserted on the device, or it has no device row."""
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lanes < n
+    key = tl.load(key_ptr + lanes, mask=live, other=-9223372036854775807 - 1)
+    need = live & (key != -9223372036854775807 - 1) & (tl.load(host_slot_ptr + lanes, mask=live, other=0) < 0)
+    need = need & ((tl.load(inserted_ptr + lanes, mask=live, other=0) != 0) | (tl.load(slot_ptr + lanes, mask=live, other=0) < 0))
+    if tl.max(need.to(tl.int32), axis=0) > 0:
+        row = rows_ptr + lanes[:, None].to(tl.int64) * row_dim
+        seeds, scales = seed + tl.zeros([BLOCK], tl.int64), scale + tl.zeros([BLOCK], tl.float64)
+        for c in range(0, dim, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            tl.store(row + cols[None, :], _initial_embedding(key, seeds, scales, cols), mask=need[:, None] & (cols[None, :] < dim))
+        for c in range(dim, row_dim, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            tl.store(row + cols[None, :], tl.zeros([BLOCK, DIM_BLOCK], tl.float32), mask=need[:, None] & (cols[None, :] < row_dim))
+
+
+def copy_rows(src: torch.Tensor, src_slots: torch.Tensor | None, dst: torch.Tensor, dst_slots: torch.Tensor | None, width: int) -> None:
+    """dst[dst_slots[i], :width] = src[src_slots[i], :width] where both slots are >= 0
+    (None: lane i). src and dst: 2-D with unit column stride (table storage or buffers)."""
+    n = (src_slots if src_slots is not None else dst_slots).numel()
+    if n == 0:
+        return
+    _copy_rows_kernel[_grid(n, FIND_BLOCK)](
+        src, src_slots if src_slots is not None else src, src.stride(0), dst, dst_slots if dst_slots is not None else dst,
+        dst.stride(0), n, width, SRC_SLOTS=src_slots is not None, DST_SLOTS=dst_slots is not None, BLOCK=FIND_BLOCK,
+        DIM_BLOCK=min(128, triton.next_power_of_2(dst.stride(0))), num_warps=FIND_WARPS,
+    )
+
+
+def _release(table: TritonHashTable, slots: torch.Tensor) -> None:
+    table.placements += 1
+    if slots.numel():
+        _release_slots_kernel[_grid(slots.numel(), 256)](slots, slots.numel(), table.keys, table.scores, table.digests, BLOCK=256)
+
+
+def swap_in(
+    device: TritonHashTable, host: TritonHashTable, keys: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor,
+    init: tuple[int, float, int],
+):
+    """Device rows for `keys` (N,) with `scores` (EMPTY_KEY lanes: skipped; copies of a
+    key share its row, and one of them is reported inserted).
+
+    rows (N, row_dim) float32, contiguous, receives for each key without a device row, or
+    inserted there, the row it had outside the device tier: its host row where host
+    memory has one, else its initial row (init: seed, scale and dim of the embedding: as
+    DynamicEmbedding.initial_rows). A key found in host memory moves to the device
+    (promoted); a key in neither tier is inserted with its initial row. Device rows that
+    the inserts evict move to host memory (demoted), where a full bucket evicts its
+    lowest-score row (lost).
+
+    Returns device-side (slots, inserted, promoted, demoted, lost): slots (N,) on the
+    device (-1: not stored, its bucket's rows all used by this call); inserted, promoted
+    (N,) bool; demoted and lost: counts.
+    """
+    n = keys.numel()
+    host_slots = probe(host.descriptor(), keys, host.bucket_size, host.row_stride)
+    copy_rows(host.values, host_slots, rows, None, host.row_dim)
+    slots, inserted, evicted, victim_keys, victim_scores = claim(device.descriptor(), keys, scores, device.bucket_size)
+    device.placements += 1
+    seed, scale, dim = init
+    if n:
+        _initial_rows_kernel[_grid(n, INIT_BLOCK)](
+            keys, host_slots, slots, inserted, rows, n, seed, scale, dim, device.row_dim, BLOCK=INIT_BLOCK,
+            DIM_BLOCK=min(64, triton.next_power_of_2(dim)),
+        )
+    inserted, evicted = inserted.bool(), evicted.bool()
+    promoted = inserted & (host_slots >= 0)
+    _release(host, torch.where(promoted, host_slots, -1))  # their rows are in `rows` now
+    # an evicted lane's slot still holds its victim's row: it moves down before the new row comes in
+    down, _, host_evicted, _, _ = claim(host.descriptor(), torch.where(evicted, victim_keys, EMPTY_KEY), victim_scores, host.bucket_size)
+    host.placements += 1
+    copy_rows(device.values, torch.where(evicted, slots, -1), host.values, down, device.row_dim)
+    copy_rows(rows, None, device.values, torch.where(inserted, slots, -1), device.row_dim)
+    demoted = (evicted & (down >= 0)).sum()
+    lost = (evicted & (down < 0)).sum() + host_evicted.sum()
+    return slots, inserted, promoted, demoted, lost
