@@ -93,8 +93,8 @@ class _Group:
         self.device, self.dim, self.row_dim = first.device, first.dim, first.config.row_dim
         self.row_stride = first.table.row_stride
         self.bucket_size, self.optimizer = first.config.bucket_size, first.config.optimizer
-        self._seeds = _to_device([m.config.seed for m in members], torch.int64, self.device)
-        self._scales = _to_device([3**0.5 * m.config.init_std for m in members], torch.float64, self.device)
+        self._seeds = _to_device([m._init[0] for m in members], torch.int64, self.device)
+        self._scales = _to_device([m._init[1] for m in members], torch.float64, self.device)
         self._inserting = _to_device([not m.config.read_only for m in members], torch.int64, self.device)
         # members count into rows of one tensor, so one add serves them all
         self._counts = torch.stack([m._counts for m in members])

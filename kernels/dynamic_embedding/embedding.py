@@ -212,10 +212,9 @@ class DynamicEmbedding:
 
     def initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Fresh rows for keys: seeded embedding (a function of key and seed) + zero state."""
-        c = self.config
-        u = uniform_from_keys(keys, c.dim, c.seed)
-        emb = ((2 * u - 1) * (3**0.5 * c.init_std)).to(torch.float32)  # std = init_std
-        state = optimizers.initial_state(c.optimizer, keys.numel(), c.dim, torch.float32, keys.device)
+        seed, scale, dim = self._init
+        emb = ((2 * uniform_from_keys(keys, dim, seed) - 1) * scale).to(torch.float32)
+        state = optimizers.initial_state(self.config.optimizer, keys.numel(), dim, torch.float32, keys.device)
         return torch.cat([emb, state], 1)
 
     def lookup(self, ids: torch.Tensor, train: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,10 +273,11 @@ class DynamicEmbedding:
 
     @property
     def _init(self) -> tuple[int, float, int]:
-        """What a row's initial embedding is a function of, besides its key (initial_rows)."""
+        """What a row's initial embedding is a function of besides its key: seed, scale (a
+        uniform on (-scale, scale) has std init_std) and dim."""
         return self.config.seed, 3**0.5 * self.config.init_std, self.dim
 
-    def _rows_off_device(self, keys: torch.Tensor, take: bool) -> tuple[torch.Tensor, int]:
+    def _rows_off_device(self, keys: torch.Tensor, take: bool) -> tuple[torch.Tensor, torch.Tensor | int]:
         """Rows for keys without a device row: their host row where the host tier stores
         one, else their initial row. take: the host rows move (they are removed there and
         counted as promotions). Returns (rows, how many came from the host: a device
