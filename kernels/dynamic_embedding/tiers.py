@@ -12,33 +12,9 @@ import triton.language as tl
 
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import _initial_embedding
-from .triton_table import FIND_BLOCK, FIND_WARPS, TritonHashTable, _grid, claim, probe
+from .triton_table import TritonHashTable, _grid, claim, copy_rows, probe
 
 INIT_BLOCK = 64  # lanes per program of row initialisation, which most lanes skip
-
-
-@triton.jit
-def _copy_rows_kernel(
-    src_ptr, src_slot_ptr, src_stride, dst_ptr, dst_slot_ptr, dst_stride, n, width,
-    SRC_SLOTS: tl.constexpr, DST_SLOTS: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
-):
-    """dst[dst_slot[i]] = src[src_slot[i]][:width] for lanes whose slots are both >= 0 (a
-    side without slots is addressed by lane). Destination rows are written whole, up to
-    dst_stride, with zeros past width: a write that ends inside a 64-byte line is a
-    partial one over PCIe, many times slower into host memory."""
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = lanes < n
-    src = lanes.to(tl.int64)
-    dst = lanes.to(tl.int64)
-    if SRC_SLOTS:
-        src = tl.load(src_slot_ptr + lanes, mask=live, other=-1)
-    if DST_SLOTS:
-        dst = tl.load(dst_slot_ptr + lanes, mask=live, other=-1)
-    live = live & (src >= 0) & (dst >= 0)
-    for c in range(0, dst_stride, DIM_BLOCK):
-        cols = c + tl.arange(0, DIM_BLOCK)
-        row = tl.load(src_ptr + src[:, None] * src_stride + cols[None, :], mask=live[:, None] & (cols[None, :] < width), other=0)
-        tl.store(dst_ptr + dst[:, None] * dst_stride + cols[None, :], row, mask=live[:, None] & (cols[None, :] < dst_stride))
 
 
 @triton.jit
@@ -73,19 +49,6 @@ def _initial_rows_kernel(
         for c in range(dim, row_dim, DIM_BLOCK):
             cols = c + tl.arange(0, DIM_BLOCK)
             tl.store(row + cols[None, :], tl.zeros([BLOCK, DIM_BLOCK], tl.float32), mask=need[:, None] & (cols[None, :] < row_dim))
-
-
-def copy_rows(src: torch.Tensor, src_slots: torch.Tensor | None, dst: torch.Tensor, dst_slots: torch.Tensor | None, width: int) -> None:
-    """dst[dst_slots[i], :width] = src[src_slots[i], :width] where both slots are >= 0
-    (None: lane i). src and dst: 2-D with unit column stride (table storage or buffers)."""
-    n = (src_slots if src_slots is not None else dst_slots).numel()
-    if n == 0:
-        return
-    _copy_rows_kernel[_grid(n, FIND_BLOCK)](
-        src, src_slots if src_slots is not None else src, src.stride(0), dst, dst_slots if dst_slots is not None else dst,
-        dst.stride(0), n, width, SRC_SLOTS=src_slots is not None, DST_SLOTS=dst_slots is not None, BLOCK=FIND_BLOCK,
-        DIM_BLOCK=min(128, triton.next_power_of_2(dst.stride(0))), num_warps=FIND_WARPS,
-    )
 
 
 def _release(table: TritonHashTable, slots: torch.Tensor) -> None:
@@ -130,7 +93,7 @@ def swap_in(
     # an evicted lane's slot still holds its victim's row: it moves down before the new row comes in
     down, _, host_evicted, _, _ = claim(host.descriptor(), torch.where(evicted, victim_keys, EMPTY_KEY), victim_scores, host.bucket_size)
     host.placements += 1
-    copy_rows(device.values, torch.where(evicted, slots, -1), host.values, down, device.row_dim)
+    copy_rows(device.values, torch.where(evicted, slots, -1), host.values, down, device.row_dim, whole_rows=True)
     copy_rows(rows, None, device.values, torch.where(inserted, slots, -1), device.row_dim)
     demoted = (evicted & (down >= 0)).sum()
     lost = (evicted & (down < 0)).sum() + host_evicted.sum()

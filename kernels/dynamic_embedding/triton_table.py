@@ -356,29 +356,29 @@ def _claim_kernel(
 
 
 @triton.jit
-def _move_rows_kernel(
-    slot_ptr, mask_ptr, buf_ptr, values_ptr, n, row_dim, row_stride, TO_TABLE: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+def _copy_rows_kernel(
+    src_ptr, src_slot_ptr, src_stride, dst_ptr, dst_slot_ptr, dst_stride, n, width,
+    SRC_SLOTS: tl.constexpr, DST_SLOTS: tl.constexpr, WHOLE: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
-    """TO_TABLE: values[slot[i]] = buf[i] where mask[i]; else buf[i] = values[slot[i]]
-    where slot[i] >= 0. Stores to the table write whole padded rows (zeros past row_dim):
-    a row ending inside a 64-byte line makes every write of it to host memory a partial
-    one, which cost 15x the time over PCIe (rows of 385 values, H100)."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(slot_ptr + rows, mask=rows < n, other=-1)
-    live = (rows < n) & (slot >= 0)
-    width = row_dim
-    if TO_TABLE:
-        live = live & (tl.load(mask_ptr + rows, mask=rows < n, other=0) != 0)
-        width = row_stride
-    for c in range(0, width, DIM_BLOCK):
+    """dst[dst_slot[i]] = src[src_slot[i]][:width] for lanes whose slots are both >= 0 (a
+    side without slots is addressed by lane). WHOLE: destination rows are written whole,
+    up to dst_stride, with zeros past width."""
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lanes < n
+    src = lanes.to(tl.int64)
+    dst = lanes.to(tl.int64)
+    if SRC_SLOTS:
+        src = tl.load(src_slot_ptr + lanes, mask=live, other=-1)
+    if DST_SLOTS:
+        dst = tl.load(dst_slot_ptr + lanes, mask=live, other=-1)
+    live = live & (src >= 0) & (dst >= 0)
+    end = width
+    if WHOLE:
+        end = dst_stride
+    for c in range(0, end, DIM_BLOCK):
         cols = c + tl.arange(0, DIM_BLOCK)
-        m = live[:, None] & (cols[None, :] < row_dim)
-        table = values_ptr + slot[:, None] * row_stride + cols[None, :]
-        buf = buf_ptr + rows[:, None].to(tl.int64) * row_dim + cols[None, :]
-        if TO_TABLE:
-            tl.store(table, tl.load(buf, mask=m, other=0), mask=live[:, None] & (cols[None, :] < row_stride))
-        else:
-            tl.store(buf, tl.load(table, mask=m), mask=m)
+        row = tl.load(src_ptr + src[:, None] * src_stride + cols[None, :], mask=live[:, None] & (cols[None, :] < width), other=0)
+        tl.store(dst_ptr + dst[:, None] * dst_stride + cols[None, :], row, mask=live[:, None] & (cols[None, :] < end))
 
 
 _calls = itertools.count(1)
@@ -452,6 +452,25 @@ def claim(
     return slots, flags[0], flags[1], victims[0], victims[1]
 
 
+def copy_rows(
+    src: torch.Tensor, src_slots: torch.Tensor | None, dst: torch.Tensor, dst_slots: torch.Tensor | None, width: int,
+    whole_rows: bool = False,
+) -> None:
+    """dst[dst_slots[i], :width] = src[src_slots[i], :width] where both slots are >= 0
+    (None: lane i). src and dst: 2-D with unit column stride (table storage or buffers).
+    whole_rows: write each destination row up to its stride, zeros past width; for host
+    memory, where a write ending inside a 64-byte line is a partial one over PCIe (rows of
+    385 floats at a 400-float stride: 15x the time of whole lines, H100)."""
+    n = (src_slots if src_slots is not None else dst_slots).numel()
+    if n == 0:
+        return
+    _copy_rows_kernel[_grid(n, FIND_BLOCK)](
+        src, src_slots if src_slots is not None else src, src.stride(0), dst, dst_slots if dst_slots is not None else dst,
+        dst.stride(0), n, width, SRC_SLOTS=src_slots is not None, DST_SLOTS=dst_slots is not None, WHOLE=whole_rows, BLOCK=FIND_BLOCK,
+        DIM_BLOCK=min(128, triton.next_power_of_2(dst.stride(0))), num_warps=FIND_WARPS,
+    )
+
+
 class TritonHashTable(ReferenceHashTable):
     """The reference table's calls on Triton kernels. Bucket sizes must be powers of two.
 
@@ -521,16 +540,12 @@ class TritonHashTable(ReferenceHashTable):
         self._move_rows(slots, slots, values, to_table=False)
 
     def _move_rows(self, slots, mask, values, to_table: bool):
-        n = slots.numel()
-        if n == 0:
-            return
-        if values.dtype != self.dtype or not values.is_contiguous() or values.shape != (n, self.row_dim):
+        if values.dtype != self.dtype or not values.is_contiguous() or values.shape != (slots.numel(), self.row_dim):
             raise ValueError("values must be a contiguous (N, row_dim) tensor of the table's dtype")
-        _move_rows_kernel[_grid(n, FIND_BLOCK)](
-            slots, mask.to(torch.int8) if to_table else slots, values, self.values, n, self.row_dim, self.row_stride,
-            TO_TABLE=to_table, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.row_dim)),
-            num_warps=FIND_WARPS,
-        )
+        if to_table:
+            copy_rows(values, None, self.values, torch.where(mask.bool(), slots, MISSING), self.row_dim, self.host_rows)
+        else:
+            copy_rows(self.values, slots, values, None, self.row_dim)
 
     def insert_or_assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> Evicted:
         if self.deterministic:
