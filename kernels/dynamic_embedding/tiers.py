@@ -18,17 +18,6 @@ INIT_BLOCK = 64  # lanes per program of row initialisation, which most lanes ski
 
 
 @triton.jit
-def _release_slots_kernel(slot_ptr, n, keys_ptr, scores_ptr, digests_ptr, BLOCK: tl.constexpr):
-    """Empties the slots given (those >= 0)."""
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(slot_ptr + lanes, mask=lanes < n, other=-1)
-    ok = slot >= 0
-    tl.store(keys_ptr + slot, tl.full([BLOCK], -9223372036854775807 - 1, tl.int64), mask=ok)
-    tl.store(scores_ptr + slot, tl.zeros([BLOCK], tl.int64), mask=ok)
-    tl.store(digests_ptr + slot, tl.zeros([BLOCK], tl.uint8), mask=ok)
-
-
-@triton.jit
 def _initial_rows_kernel(
     key_ptr, host_slot_ptr, slot_ptr, inserted_ptr, rows_ptr, n, seed, scale, dim, row_dim,
     BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
@@ -49,12 +38,6 @@ def _initial_rows_kernel(
         for c in range(dim, row_dim, DIM_BLOCK):
             cols = c + tl.arange(0, DIM_BLOCK)
             tl.store(row + cols[None, :], tl.zeros([BLOCK, DIM_BLOCK], tl.float32), mask=need[:, None] & (cols[None, :] < row_dim))
-
-
-def _release(table: TritonHashTable, slots: torch.Tensor) -> None:
-    table.placements += 1
-    if slots.numel():
-        _release_slots_kernel[_grid(slots.numel(), 256)](slots, slots.numel(), table.keys, table.scores, table.digests, BLOCK=256)
 
 
 def swap_in(
@@ -89,7 +72,7 @@ def swap_in(
         )
     inserted, evicted = inserted.bool(), evicted.bool()
     promoted = inserted & (host_slots >= 0)
-    _release(host, torch.where(promoted, host_slots, -1))  # their rows are in `rows` now
+    host._clear(torch.where(promoted, host_slots, -1))  # their rows are in `rows` now
     # an evicted lane's slot still holds its victim's row: it moves down before the new row comes in
     down, _, host_evicted, _, _ = claim(host.descriptor(), torch.where(evicted, victim_keys, EMPTY_KEY), victim_scores, host.bucket_size)
     host.placements += 1

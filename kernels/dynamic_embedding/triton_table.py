@@ -356,6 +356,17 @@ def _claim_kernel(
 
 
 @triton.jit
+def _release_slots_kernel(slot_ptr, n, keys_ptr, scores_ptr, digests_ptr, BLOCK: tl.constexpr):
+    """Empties the slots given (those >= 0): key, score and digest."""
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slot_ptr + lanes, mask=lanes < n, other=-1)
+    ok = slot >= 0
+    tl.store(keys_ptr + slot, tl.full([BLOCK], -9223372036854775807 - 1, tl.int64), mask=ok)
+    tl.store(scores_ptr + slot, tl.zeros([BLOCK], tl.int64), mask=ok)
+    tl.store(digests_ptr + slot, tl.zeros([BLOCK], tl.uint8), mask=ok)
+
+
+@triton.jit
 def _copy_rows_kernel(
     src_ptr, src_slot_ptr, src_stride, dst_ptr, dst_slot_ptr, dst_stride, n, width,
     SRC_SLOTS: tl.constexpr, DST_SLOTS: tl.constexpr, WHOLE: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
@@ -496,8 +507,11 @@ class TritonHashTable(ReferenceHashTable):
         self.deterministic = deterministic
 
     def _clear(self, slots: torch.Tensor) -> None:
-        super()._clear(slots)
-        self.digests[slots] = 0  # digest 0: empty
+        """As the reference's, and slots < 0 are skipped (callers may mask lanes)."""
+        self.placements += 1
+        n = slots.numel()
+        if n:
+            _release_slots_kernel[_grid(n, 256)](slots, n, self.keys, self.scores, self.digests, BLOCK=256)
 
     @property
     def insert_mode(self) -> int:
