@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, ReferenceHashTable
 from kernels.dynamic_embedding.triton_table import TritonHashTable
-from kernels.dynamic_embedding.hashing import EMPTY_KEY, bucket_of
+from kernels.dynamic_embedding.hashing import EMPTY_KEY, bucket_of, hash64
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 64 if DEVICE == "cuda" else 1  # batch sizes on a GPU
@@ -156,15 +156,67 @@ def test_triton_table_refuses_odd_bucket_sizes_and_handles_empty_calls():
     assert t.accumulate(empty, torch.empty(0, 2, device=DEVICE), empty).keys.numel() == 0
 
 
-def test_triton_find_never_finds_the_reserved_key_and_inserts_refuse_it():
-    t = TritonHashTable(row_dim=2, capacity=16, bucket_size=8, device=DEVICE, deterministic=False)
+@pytest.mark.parametrize("max_capacity", [16, 64], ids=["evicting", "growing"])
+def test_triton_find_never_finds_the_reserved_key_and_inserts_refuse_it(max_capacity):
+    t = TritonHashTable(row_dim=2, capacity=16, max_capacity=max_capacity, bucket_size=8, device=DEVICE, deterministic=False)
     keys = torch.tensor([3, 4], device=DEVICE)
     t.find_or_insert(keys, torch.zeros_like(keys))
     probe = torch.tensor([EMPTY_KEY, 3, 5], device=DEVICE)
     slots = t.find(probe)  # the empty slots hold EMPTY_KEY: a plain key compare would match them
     assert slots[0].item() == -1 and slots[1].item() >= 0 and slots[2].item() == -1
+    out = torch.zeros(3, 2, device=DEVICE)
+    assert t.find_values(probe, out).tolist() == [False, True, False]
+    before = t.export()
+    # the refusal is read after the claim launches, which do nothing for such a batch
     with pytest.raises(ValueError, match="reserved"):
-        t.find_or_insert(probe, torch.zeros_like(probe))
+        t.find_or_insert(probe, torch.full_like(probe, 7))
+    with pytest.raises(ValueError, match="reserved"):
+        t.insert_or_assign(probe, torch.ones(3, 2, device=DEVICE), torch.full_like(probe, 7))
+    for a, b in zip(before, t.export()):
+        assert torch.equal(a, b)
+
+
+def keys_sharing_a_digest(n: int, num_buckets: int, bucket: int) -> torch.Tensor:
+    """n keys of one bucket whose hashes share their top byte (the probe's digest)."""
+    pool = torch.arange(1, 400_000, dtype=torch.int64)
+    pool = pool[bucket_of(pool, num_buckets) == bucket]
+    top = (hash64(pool) >> 56) & 0xFF
+    return pool[top == torch.bincount(top).argmax()][:n]
+
+
+@pytest.mark.parametrize("bucket_size,capacity,bucket", [(128, 256, 1), (4, 16, 3), (8, 16, 1)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_keys_with_the_same_digest_are_told_apart(bucket_size, capacity, bucket, deterministic):
+    """Probes compare digests 8 columns at a time and load keys only for the columns that
+    match: with every key of a bucket sharing one digest, each probe walks all of its
+    candidates. Small buckets share a digest word with their neighbours, which hold keys."""
+    kw = dict(row_dim=2, capacity=capacity, max_capacity=capacity, bucket_size=bucket_size)
+    num_buckets = capacity // bucket_size
+    same = keys_sharing_a_digest(bucket_size + 2, num_buckets, bucket)
+    stored, absent = same[: bucket_size - 1], same[bucket_size - 1 :]
+    pool = torch.arange(10_000, 20_000)
+    others = torch.cat([pool[bucket_of(pool, num_buckets) == b][: bucket_size // 2] for b in range(num_buckets) if b != bucket])
+    ref = ReferenceHashTable(**kw, device="cpu")
+    fast = TritonHashTable(**kw, device=DEVICE, deterministic=deterministic)
+    for keys in (others, stored):
+        zeros = torch.zeros_like(keys)
+        ref.insert_or_assign(keys, torch.ones(len(keys), 2), zeros)
+        fast.insert_or_assign(keys.to(DEVICE), torch.ones(len(keys), 2, device=DEVICE), zeros.to(DEVICE))
+    slots = fast.find(same.to(DEVICE)).cpu()
+    assert bool((slots[: bucket_size - 1] >= 0).all()) and bool((slots[bucket_size - 1 :] == -1).all())
+    assert torch.equal(fast.keys[slots[: bucket_size - 1]].cpu(), stored)
+    assert set(fast.export()[0].tolist()) == set(ref.export()[0].tolist())
+    # one slot of the bucket is free: the first absent key takes it, the next two evict
+    scores = torch.full_like(absent, 5)
+    got, inserted, evicted = fast.find_or_insert(absent.to(DEVICE), scores.to(DEVICE))
+    _, want_inserted, want_evicted = ref.find_or_insert(absent, scores)
+    assert torch.equal(inserted.cpu(), want_inserted) and torch.equal(fast.keys[got].cpu(), absent)
+    lost = set(evicted.keys.tolist())
+    assert len(lost) == len(want_evicted.keys) == 2 and lost <= set(stored.tolist())
+    if deterministic:  # the reference's victims; fast mode's depend on where its keys landed
+        assert lost == set(want_evicted.keys.tolist())
+    assert set(fast.export()[0].tolist()) == set(others.tolist()) | set(stored.tolist()) - lost | set(absent.tolist())
+    assert torch.equal(fast.find(same.to(DEVICE)).cpu() >= 0, torch.tensor([k not in lost for k in same.tolist()]))
 
 
 @pytest.mark.parametrize("max_capacity", [64, 1 << 12], ids=["evicting", "growing"])

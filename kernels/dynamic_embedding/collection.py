@@ -10,7 +10,7 @@ dumps (`tables["user"]`). Features whose tables are Triton tables in fast mode, 
 float32 rows, the lru / epoch_lru / none policy, no admission counter and no host tier,
 and that share dim, optimizer and bucket size, form a group. A group's lookup sorts
 its lanes (one id of one table each) so that copies of an id sit together, then
-launches each kernel once for all its tables over the distinct ids (probe, claim of
+launches each kernel once for all its tables over the distinct ids (lookup and claim of
 empty slots, evictions, row initialisation, counting) and once over the lanes (gather).
 Its update sums each distinct id's gradients and runs the optimizer in one kernel. At
 max capacity none of this waits for the GPU; below it, one check per lookup decides
@@ -183,7 +183,7 @@ class _Group:
         (then again): their slots and whether each was inserted."""
         slots, inserted, _, _, _ = claim(
             self._descriptors(), r.keys, self._table_scores(), self.bucket_size, r.tids, table_scores=True,
-            counts=self._counts, span=16, count=r.count,
+            counts=self._counts, count=r.count,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:

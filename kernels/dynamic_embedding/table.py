@@ -27,6 +27,10 @@ from .host_memory import host_mapped
 MISSING = -1  # slot index returned for a key that is not stored
 
 
+def reserved_key_error() -> ValueError:
+    return ValueError(f"key {EMPTY_KEY} is reserved (marks an empty slot)")
+
+
 def highest_per_key(n_keys: int, inverse: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """(n_keys,) int64: the highest of the scores whose inverse index names each key."""
     out = torch.full((n_keys,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=inverse.device)
@@ -157,7 +161,7 @@ class ReferenceHashTable:
         if keys.dtype != torch.int64 or keys.dim() != 1:
             raise TypeError(f"keys must be a 1-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
         if not reserved_ok and keys.numel() and bool((keys == EMPTY_KEY).any()):
-            raise ValueError(f"key {EMPTY_KEY} is reserved (marks an empty slot)")
+            raise reserved_key_error()
         return keys.to(self.device)
 
     # ---- lookups -------------------------------------------------------------------------
@@ -214,7 +218,7 @@ class ReferenceHashTable:
         if self.deterministic and keys.numel():  # the first copy of a new key is the one
             inserted = inserted & _first_occurrence(keys)
         self._store_rows(slots, inserted, values)
-        self._load_rows(slots, values)
+        self._load_rows(torch.where(inserted, MISSING, slots), values)  # inserted rows hold their values already
         return slots, inserted, evicted
 
     def _store_rows(self, slots, inserted, values):

@@ -2,7 +2,8 @@
 Triton kernels.
 
 Each slot also carries a one-byte digest (the hash's top byte): a probe reads a bucket's
-digests (bucket_size bytes) and loads full keys only where the digest matches, and the
+digests (bucket_size bytes, compared 8 at a time) and loads full keys only where the
+digest matches, and the
 id of the last call that used it (a row used by a call is never evicted by that call).
 Rows are padded to a multiple of ROW_ALIGN values so they start aligned.
 
@@ -22,7 +23,8 @@ import triton
 import triton.language as tl
 
 from .host_memory import host_mapped
-from .table import MISSING, Evicted, ReferenceHashTable
+from .hashing import EMPTY_KEY
+from .table import MISSING, Evicted, ReferenceHashTable, reserved_key_error
 
 @triton.jit
 def _hash(k):
@@ -60,18 +62,114 @@ def _field(desc_ptr, t, word: tl.constexpr):
     return tl.load(desc_ptr + t * DESCRIPTOR_WORDS + word)
 
 
-@triton.jit(do_not_specialize=["call"])
+# A probe reads a bucket's digests as 64-bit words, 8 columns each (byte j of word w is
+# column 8w + j), and compares them a word at a time: per key, a bucket of 128 costs 16
+# values in registers instead of 128, which doubles the claim kernel's occupancy.
+LOW7 = tl.constexpr(0x7F7F7F7F7F7F7F7F)
+BYTE_ONES = tl.constexpr(0x0101010101010101)
+
+
+@triton.jit
+def _digest_words(digests_base, bucket, live, BUCKET: tl.constexpr, ALIGN: tl.constexpr, CACHE: tl.constexpr):
+    """The digests of each lane's bucket as uint64 words, (BLOCK, max(BUCKET // 8, 1)). A
+    bucket of fewer than 8 slots shares its word: its bytes are shifted to the bottom and
+    the others zeroed (the table pads its digests to whole words)."""
+    words_base = digests_base.to(tl.pointer_type(tl.uint64))
+    if BUCKET >= 8:
+        row = tl.multiple_of(words_base + bucket * (BUCKET // 8), ALIGN)  # ALIGN bytes
+        return tl.load(row[:, None] + tl.arange(0, BUCKET // 8)[None, :], mask=live[:, None], other=0, cache_modifier=CACHE)
+    else:
+        first = bucket * BUCKET
+        word = tl.load(words_base + first // 8, mask=live, other=0, cache_modifier=CACHE)
+        word = (word >> ((first % 8) * 8).to(tl.uint64)) & ((1 << (8 * BUCKET)) - 1)
+        return word[:, None]
+
+
+@triton.jit
+def _zero_bytes(words):
+    """0x80 in each byte of words that is zero, else 0 (exact: no carry crosses a byte)."""
+    return ~(((words & LOW7) + LOW7) | words | LOW7)
+
+
+@triton.jit
+def _bytes_equal(words, byte):
+    """0x80 in each byte of words that equals the lane's byte, else 0."""
+    return _zero_bytes(words ^ (byte.to(tl.uint64) * BYTE_ONES)[:, None])
+
+
+@triton.jit
+def _lowest_column(flags, BUCKET: tl.constexpr):
+    """The lowest column flagged in flags (BLOCK, words), or BUCKET if none below it."""
+    low = flags & (~flags + 1)  # the lowest set bit; its float's exponent is its position
+    bit = (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+    col = tl.where(flags != 0, tl.arange(0, flags.shape[1])[None, :] * 8 + (bit >> 3), BUCKET)
+    return tl.minimum(tl.min(col, axis=1), BUCKET)
+
+
+@triton.jit
+def _drop_column(flags, col):
+    """flags without column col, which must be the lowest flagged of its word."""
+    return tl.where(tl.arange(0, flags.shape[1])[None, :] == (col // 8)[:, None], flags & (flags - 1), flags)
+
+
+@triton.jit
+def _key_column(key_row, key, flags, BUCKET: tl.constexpr, CACHE: tl.constexpr):
+    """The column of `key` in its bucket (BUCKET if absent), given the columns whose digest
+    matches (flags, from _bytes_equal). Keys are loaded one per lane and candidate: the
+    first two candidates at once, then one at a time for the rare bucket with more."""
+    c1 = _lowest_column(flags, BUCKET)
+    flags = _drop_column(flags, c1)
+    c2 = _lowest_column(flags, BUCKET)
+    k1 = tl.load(key_row + c1, mask=c1 < BUCKET, other=0, cache_modifier=CACHE)
+    k2 = tl.load(key_row + c2, mask=c2 < BUCKET, other=0, cache_modifier=CACHE)
+    col = tl.where((c1 < BUCKET) & (k1 == key), c1, tl.where((c2 < BUCKET) & (k2 == key), c2, BUCKET))
+    pending = (col == BUCKET) & (c2 < BUCKET)
+    last = c2
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        flags = _drop_column(flags, last)
+        c = _lowest_column(flags, BUCKET)
+        pending = pending & (c < BUCKET)
+        k = tl.load(key_row + c, mask=pending, other=0, cache_modifier=CACHE)
+        col = tl.where(pending & (k == key), c, col)
+        pending = pending & (k != key)
+        last = c
+    return col
+
+
+# columns of a bucket that the eviction reads at a time (scores and marks): fewer values
+# in registers for the claim kernel's second phase
+VICTIM_CHUNK = tl.constexpr(32)
+
+
+@triton.jit
+def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
+    """For lanes choosing: the lowest (score, column) of the bucket among rows not used by
+    `call`, as (score, column); column BUCKET if every row is used."""
+    lowest = tl.full(choosing.shape, 9223372036854775807, tl.int64)
+    victim = tl.full(choosing.shape, BUCKET, tl.int32)
+    for c in range(0, BUCKET, VICTIM_CHUNK):
+        cols = c + tl.arange(0, VICTIM_CHUNK)[None, :]
+        on = choosing[:, None] & (cols < BUCKET)
+        unused = on & (tl.load(mark_row[:, None] + cols, mask=on, other=call, cache_modifier=".cg") != call)
+        scores = tl.where(unused, tl.load(score_row[:, None] + cols, mask=unused, other=0, cache_modifier=".cg"), 9223372036854775807)
+        low = tl.min(scores, axis=1)
+        at = tl.min(tl.where(unused & (scores == low[:, None]), cols, BUCKET), axis=1)
+        better = (at < BUCKET) & ((low < lowest) | (victim == BUCKET))  # ties keep the lower column
+        victim = tl.where(better, at, victim)
+        lowest = tl.where(better, low, lowest)
+    return lowest, victim
+
+
+@triton.jit
 def _find_kernel(
-    query_ptr, tid_ptr, n, count_ptr, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride, score_ptr, call,
-    BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr, TOUCH: tl.constexpr,
-    MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, ALIGN: tl.constexpr, COUNTED: tl.constexpr,
+    query_ptr, tid_ptr, n, count_ptr, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride,
+    BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
+    MULTI: tl.constexpr, ALIGN: tl.constexpr, COUNTED: tl.constexpr,
 ):
     """slot of each query key in its table (or -1); MULTI: table tid[i], else table 0.
     COUNTED: only the first count_ptr[0] keys (a device count) are looked up.
     GATHER: also copy the first out_dim values of found rows into out (rows of missing keys
-    are left untouched). TOUCH: a found row's score becomes the highest score any copy of
-    its key brings, and the row is marked used by `call` (protected from its evictions).
-    TABLE_SCORES: scores are per table (score[t]), not per key."""
+    are left untouched)."""
     if COUNTED:
         n = tl.load(count_ptr)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -83,27 +181,12 @@ def _find_kernel(
     key = tl.load(query_ptr + offs, mask=live, other=0)
     h = _hash(key)
     bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
-    in_bucket = tl.arange(0, BUCKET)[None, :]
-    slots = bucket[:, None] * BUCKET + in_bucket
-    # bucket rows start aligned (ALIGN: bucket_size up to 16), so they load in wide vectors
-    digest_row = tl.multiple_of(_field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8)) + bucket * BUCKET, ALIGN)
+    words = _digest_words(_field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8)), bucket, live, BUCKET, ALIGN, "")
     key_row = tl.multiple_of(_field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + bucket * BUCKET, ALIGN)
-    digests = tl.load(digest_row[:, None] + in_bucket, mask=live[:, None], other=0)
-    maybe = (digests == _digest(h)[:, None]) & live[:, None]
-    keys = tl.load(key_row[:, None] + in_bucket, mask=maybe, other=0)
-    hit = maybe & (keys == key[:, None])
-    found = tl.max(hit.to(tl.int32), axis=1) > 0
-    slot = tl.where(found, tl.sum(tl.where(hit, slots, 0), axis=1), -1)
+    col = _key_column(key_row, key, _bytes_equal(words, _digest(h)), BUCKET, "")
+    found = col < BUCKET
+    slot = tl.where(found, bucket * BUCKET + col, -1)
     tl.store(slot_ptr + offs, slot, mask=live)
-    if TOUCH:
-        scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
-        if TABLE_SCORES:
-            score = tl.load(score_ptr + t, mask=live, other=0)
-        else:
-            score = tl.load(score_ptr + offs, mask=live, other=0)
-        tl.atomic_max(scores_base + slot, score, mask=found)
-        marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
-        tl.store(marks + slot, tl.full([BLOCK], call, tl.int32), mask=found)
     if GATHER:
         values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(out_ptr.dtype.element_ty))
         row_ptr = tl.multiple_of(values_base + slot * row_stride, ROW_ALIGN)  # rows start 16-element aligned
@@ -213,30 +296,34 @@ def _export_kernel(
 @triton.jit(do_not_specialize=["call"])
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr,
-    call, counts_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
-    COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, COUNTED: tl.constexpr,
+    call, counts_ptr, refuse_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
+    COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, COUNTED: tl.constexpr, REFUSE: tl.constexpr,
 ):
-    """Fast mode, pass 2, for keys pass 1 did not find. PHASE 0: each key looks for itself
-    again (a copy may have stored it), else takes its bucket's first empty slot. A key
-    whose bucket is full gets slot -2 under GROW (the caller grows and retries), -1 under
-    KEEP (not stored), and waits (-3) under EVICT for PHASE 1, a second launch so that
-    the first stays lean: there a waiting key takes the bucket's lock, looks for itself
-    again, and takes the lowest (score, slot) row not used by this call if that score is
-    <= its own, else is not stored (-1). A key stored here is marked used by `call` at
-    once, so no later key of the call evicts it.
+    """Fast find_or_insert in two launches. PHASE 0: each key looks for itself (found: its
+    score is raised to the key's and its row marked used by `call`), else takes its
+    bucket's first empty slot. A key whose bucket is full gets slot -2 under GROW (the
+    caller grows and retries), -1 under KEEP (not stored) or READ_ONLY, and waits (-3)
+    under EVICT for PHASE 1, a second launch, after every found row is marked: there a
+    waiting key takes the bucket's lock, looks for itself again, and takes the lowest
+    (score, slot) row not used by this call if that score is <= its own, else is not
+    stored (-1). A key stored here is marked used by `call` at once, so no later key of
+    the call evicts it. The reserved key is never found nor stored (-1).
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
-    inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel."""
+    inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel.
+    REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset)."""
     if COUNTED:
         n = tl.load(count_ptr)
-    for sub in range(0, SPAN):  # SPAN blocks of BLOCK keys: few have a key to place
+    if REFUSE:
+        n = tl.where(tl.load(refuse_ptr) != 0, 0, n)
+    for sub in range(0, SPAN):  # SPAN blocks of BLOCK keys (phase 1: few wait)
         offs = (tl.program_id(0) * SPAN + sub) * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
-        slot = tl.load(slot_ptr + offs, mask=live, other=0)
         if PHASE == 0:
-            waiting = live & (slot < 0)
+            waiting = live
         else:
+            slot = tl.load(slot_ptr + offs, mask=live, other=0)
             waiting = live & (slot == -3)
-        if tl.max(waiting.to(tl.int32), axis=0) > 0:  # most programs have nothing to place
+        if tl.max(waiting.to(tl.int32), axis=0) > 0:
             if MULTI:
                 t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
             else:
@@ -244,10 +331,10 @@ def _claim_kernel(
             mode = _field(desc_ptr, t, _MODE) + tl.zeros([BLOCK], dtype=tl.int64)  # per key, also for one table
             key = tl.load(query_ptr + offs, mask=live, other=0)
             if PHASE == 0:
-                active = live & (slot < 0) & (mode != 0) & (key != -9223372036854775807 - 1)  # the reserved key: never stored
+                slot = tl.full([BLOCK], -1, tl.int64)
+                active = live & (key != -9223372036854775807 - 1)  # the reserved key: never found, never stored
             else:
-                active = live & (slot == -3)
-            mine = live & (slot == -3)
+                active = waiting
             if TABLE_SCORES:
                 score = tl.load(score_ptr + t, mask=active, other=0)
             else:
@@ -255,43 +342,39 @@ def _claim_kernel(
             h = _hash(key)
             digest = _digest(h)
             bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
-            cols = tl.arange(0, BUCKET)[None, :]
-            slots = bucket[:, None] * BUCKET + cols
             keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
             digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
             scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
             marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
             lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
-            key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)[:, None] + cols
-            digest_row = tl.multiple_of(digests_base + bucket * BUCKET, ALIGN)[:, None] + cols
-            score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)[:, None] + cols
-            mark_row = tl.multiple_of(marks + bucket * BUCKET, ALIGN)[:, None] + cols
+            key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
+            score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)
+            mark_row = tl.multiple_of(marks + bucket * BUCKET, ALIGN)
             inserted = tl.zeros([BLOCK], dtype=tl.int8)
             evicted = tl.zeros([BLOCK], dtype=tl.int8)
             victim_key = tl.zeros([BLOCK], dtype=tl.int64)
             victim_score = tl.zeros([BLOCK], dtype=tl.int64)
             empty_key = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
-            big = 9223372036854775807
             if PHASE == 0:
                 while tl.max(active.to(tl.int32), axis=0) > 0:
-                    # without a lock: find the key (a copy may have stored it), else claim the
-                    # bucket's first empty slot by compare-and-swap of the key, which copies of a
-                    # key all aim at. The slot is marked used before the swap, whose release
-                    # makes the mark visible with the key: no evicting key takes the row. Reads
-                    # go through L2, where this launch's writes are.
-                    digests = tl.load(digest_row, mask=active[:, None], other=0, cache_modifier=".cg")
-                    maybe = active[:, None] & (digests == digest[:, None])
-                    keys = tl.load(key_row, mask=maybe, other=0, cache_modifier=".cg")
-                    hit = maybe & (keys == key[:, None])
-                    found = tl.max(hit.to(tl.int32), axis=1) > 0
-                    hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
-                    tl.atomic_max(scores_base + hit_slot, score, mask=found)  # a copy stored it first
+                    # without a lock: find the key (stored before, or by a copy in this launch),
+                    # raise its score and mark it used by this call, before phase 1 evicts
+                    # anything. Else claim the bucket's first empty slot by compare-and-swap of
+                    # the key, which copies of a key all aim at. The slot is marked used before
+                    # the swap, whose release makes the mark visible with the key: no evicting
+                    # key takes the row. Reads go through L2, where this launch's writes are.
+                    words = _digest_words(digests_base, bucket, active, BUCKET, ALIGN, ".cg")
+                    col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
+                    found = col < BUCKET
+                    hit_slot = bucket * BUCKET + col
+                    tl.atomic_max(scores_base + hit_slot, score, mask=found)
+                    tl.store(marks + hit_slot, tl.full([BLOCK], call, tl.int32), mask=found)
                     slot = tl.where(found, hit_slot, slot)
                     active = active & ~found
-                    empty = active[:, None] & (digests == 0)  # a zero digest may trail its key: the swap tells
-                    has_empty = tl.max(empty.to(tl.int32), axis=1) > 0
+                    empty = _lowest_column(_zero_bytes(words), BUCKET)  # a zero digest may trail its key: the swap tells
+                    has_empty = (empty < BUCKET) & (mode != 0)  # READ_ONLY tables only look up
                     claiming = active & has_empty
-                    target = bucket * BUCKET + tl.min(tl.where(empty, cols, BUCKET), axis=1)
+                    target = bucket * BUCKET + empty
                     tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=claiming)
                     # lanes not claiming swap their own slot entry against a value it never holds
                     old = tl.atomic_cas(
@@ -313,19 +396,13 @@ def _claim_kernel(
                         tl.where(active, lock, slot_ptr + offs), tl.where(active, 0, -4).to(tl.int64),
                         tl.full([BLOCK], 1, tl.int64), sem="acquire",
                     ) == 0)
-                    digests = tl.load(digest_row, mask=got[:, None], other=0, cache_modifier=".cg")
-                    maybe = got[:, None] & (digests == digest[:, None])
-                    keys = tl.load(key_row, mask=maybe, other=0, cache_modifier=".cg")
-                    hit = maybe & (keys == key[:, None])
-                    found = tl.max(hit.to(tl.int32), axis=1) > 0  # a copy evicted for it first
-                    hit_slot = tl.sum(tl.where(hit, slots, 0), axis=1)
+                    words = _digest_words(digests_base, bucket, got, BUCKET, ALIGN, ".cg")
+                    col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
+                    found = col < BUCKET  # a copy evicted for it first
+                    hit_slot = bucket * BUCKET + col
                     tl.atomic_max(scores_base + hit_slot, score, mask=found)
                     choosing = got & ~found
-                    protected = tl.load(mark_row, mask=choosing[:, None], other=call, cache_modifier=".cg") == call
-                    row_scores = tl.load(score_row, mask=choosing[:, None], other=0, cache_modifier=".cg")
-                    cand = choosing[:, None] & ~protected
-                    lowest = tl.min(tl.where(cand, row_scores, big), axis=1)
-                    victim_col = tl.min(tl.where(cand & (row_scores == lowest[:, None]), cols, BUCKET), axis=1)
+                    lowest, victim_col = _victim_column(score_row, mark_row, choosing, call, BUCKET)
                     can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
                     target = bucket * BUCKET + victim_col
                     old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
@@ -349,6 +426,7 @@ def _claim_kernel(
             if PHASE == 0:
                 tl.store(inserted_ptr + offs, inserted, mask=live)
             else:
+                mine = waiting
                 tl.store(inserted_ptr + offs, inserted, mask=mine)
                 tl.store(evicted_ptr + offs, evicted, mask=mine)
                 tl.store(victim_key_ptr + offs, victim_key, mask=mine)
@@ -409,18 +487,17 @@ def _grid(n: int, block: int) -> tuple[int]:
 # Sweeps at dim 128 (B keys/s): H200 8/2 2.20, 4/2 2.52, 32/4 1.78; H100 8/2 1.92,
 # 4/2 1.72, 32/4 1.37. The claim kernel: 8/2 beats 16/4 by 10-15% on both.
 FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 2
+EVICT_SPAN = 4  # blocks of keys per program of the claim's eviction phase (H200: 16 costs a third more at load factor 1)
 
 
 def probe(
     desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, touch: torch.Tensor | None = None, call: int = 0, table_scores: bool = False,
-    count: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slots of keys (-1 if absent) in the tables of `desc` ((T, DESCRIPTOR_WORDS); key i in
     table tids[i], or all in table 0). `out` (N, d) receives the first d values of found
-    rows; `touch` (N,) scores, or (T,) with table_scores, raise found rows' scores and mark
-    them used by `call`. count: a device scalar; only the first `count` keys are looked up
-    (the other slots are left unset)."""
+    rows. count: a device scalar; only the first `count` keys are looked up (the other
+    slots are left unset)."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     if n == 0:
@@ -428,37 +505,39 @@ def probe(
     out_dim = out.shape[1] if out is not None else 0
     _find_kernel[_grid(n, FIND_BLOCK)](
         keys, tids if tids is not None else keys, n, count if count is not None else keys, desc, slots,
-        out if out is not None else slots, out_dim, row_stride, touch if touch is not None else keys, call,
+        out if out is not None else slots, out_dim, row_stride,
         BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
-        GATHER=out is not None, TOUCH=touch is not None, MULTI=tids is not None, TABLE_SCORES=table_scores,
-        ALIGN=min(bucket_size, 16), COUNTED=count is not None, num_warps=FIND_WARPS,
+        GATHER=out is not None, MULTI=tids is not None, ALIGN=min(bucket_size, 16), COUNTED=count is not None,
+        num_warps=FIND_WARPS,
     )
     return slots
 
 
 def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
-    table_scores: bool = False, counts: torch.Tensor | None = None, span: int = 1, count: torch.Tensor | None = None,
+    table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
+    refuse: torch.Tensor | None = None,
 ):
-    """Fast find_or_insert on the tables of `desc`: one probe that raises and protects found
-    rows, then claim launches for the keys not found. Returns (slots, inserted, evicted,
+    """Fast find_or_insert on the tables of `desc` (_claim_kernel): found rows get their
+    scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
     victim_keys, victim_scores), all (N,): an evicted lane's slot still holds its victim's
     row. Found and inserted rows are marked used by this call: none of its keys evicts
     them. table_scores: `scores` are per table; counts: (T, 5) counters (see
-    _claim_kernel); span: blocks of keys per claim program (more when few keys are
-    expected to be new); count: as probe's."""
+    _claim_kernel); count: as probe's; refuse: a device flag, if set nothing is done
+    (slots unset), so that a caller can check a batch without waiting before the claim."""
     n = keys.numel()
     call = new_call()
-    slots = probe(desc, keys, bucket_size, 0, tids, touch=scores, call=call, table_scores=table_scores, count=count)
+    slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
-        for phase, blocks in ((0, span), (1, 16)):  # few keys wait for an eviction
+        for phase, blocks in ((0, 1), (1, EVICT_SPAN)):
             _claim_kernel[_grid(n, PLACE_BLOCK * blocks)](
                 keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags[0],
-                victims[0], victims[1], flags[1], call, counts if counts is not None else keys, BUCKET=bucket_size,
-                BLOCK=PLACE_BLOCK, MULTI=tids is not None, TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=blocks,
-                ALIGN=min(bucket_size, 16), PHASE=phase, COUNTED=count is not None, num_warps=PLACE_WARPS,
+                victims[0], victims[1], flags[1], call, counts if counts is not None else keys,
+                refuse if refuse is not None else keys, BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None,
+                TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=blocks, ALIGN=min(bucket_size, 16), PHASE=phase,
+                COUNTED=count is not None, REFUSE=refuse is not None, num_warps=PLACE_WARPS,
             )
     return slots, flags[0], flags[1], victims[0], victims[1]
 
@@ -532,18 +611,30 @@ class TritonHashTable(ReferenceHashTable):
     def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor):
         if self.deterministic:
             return super().find_or_insert(keys, scores)
-        keys = self._check_keys(keys).contiguous()
+        keys = self._check_keys(keys, reserved_ok=True).contiguous()
         self.placements += 1
         scores = scores.to(self.device, torch.int64).contiguous()
-        slots, inserted, evicted, victim_keys, victim_scores = claim(self._descriptor, keys, scores, self.bucket_size)
-        if self.insert_mode == GROW and keys.numel():
+        lost = Evicted.empty(self.row_dim, self.dtype, self.device)
+        if keys.numel() == 0:
+            return keys.clone(), keys.bool(), lost
+        # the reserved key is refused: the claim does nothing when the batch holds it, and
+        # the flag is read at the call's one wait for the GPU
+        refused = (keys == EMPTY_KEY).any()
+        slots, inserted, evicted, victim_keys, victim_scores = claim(
+            self._descriptor, keys, scores, self.bucket_size, refuse=refused.view(torch.int8)
+        )
+        mode = self.insert_mode
+        if mode == EVICT:
+            n_lost, refused = torch.stack([evicted.sum(dtype=torch.int64), refused.long()]).tolist()
+        if bool(refused):
+            raise reserved_key_error()
+        if mode == GROW:
             if bool((slots == -2).any()) or self.size() > self.max_load_factor * self.capacity:
                 self._grow()  # moves every row: look the whole batch up again
                 again, inserted_again, lost = self.find_or_insert(keys, scores)
                 return again, inserted.bool() | inserted_again, lost
-        lost = Evicted.empty(self.row_dim, self.dtype, self.device)
-        if self.insert_mode == EVICT and keys.numel():
-            v = evicted.nonzero().squeeze(1)
+        if mode == EVICT and n_lost:
+            v = torch.nonzero_static(evicted, size=n_lost).squeeze(1)
             lost = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])  # rows not yet overwritten
         return slots, inserted.bool(), lost
 
@@ -577,7 +668,8 @@ class TritonHashTable(ReferenceHashTable):
 
     def _allocate(self, num_buckets: int) -> None:
         super()._allocate(num_buckets)
-        self.digests = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+        # padded to whole 64-bit words, which probes read (_digest_words)
+        self.digests = torch.zeros(-(-self.capacity // 8) * 8, dtype=torch.uint8, device=self.device)[: self.capacity]
         self._marks = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)  # the last call that used a row
         self._locks = torch.zeros(num_buckets, dtype=torch.int64, device=self.device)
         words = [0] * DESCRIPTOR_WORDS.value
@@ -599,7 +691,7 @@ class TritonHashTable(ReferenceHashTable):
     def find_values(self, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Fused probe and copy: out[i] = first out.shape[1] values of key i's row where
         found (other rows untouched); returns the found mask."""
-        keys = self._check_keys(keys).contiguous()
+        keys = self._check_keys(keys, reserved_ok=True).contiguous()  # never found, as in find
         if out.dtype != self.dtype or not out.is_contiguous() or out.shape[0] != keys.numel():
             raise ValueError("out must be a contiguous (N, d) tensor of the table's dtype")
         return self._probe(keys, out) != MISSING
