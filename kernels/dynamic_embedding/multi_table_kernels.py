@@ -130,7 +130,8 @@ def _segments_kernel(
 # sorted order) in the program that updates its row. Lanes past those (hot ids: a power
 # law gives some thousands of lanes) are summed first, tile by tile across programs, into
 # a partial sum at index start // LONG, which differs between such segments since they
-# start more than LONG apart.
+# start more than LONG apart. The adds are relaxed atomics: nothing is ordered by them
+# (the update is a later launch).
 
 
 @triton.jit
@@ -169,13 +170,13 @@ def _long_segment_sum_kernel(
         g = _lane_grads(lane, late, tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, cols, dim)
         if tl.min(late.to(tl.int32), axis=0) > 0 and tl.min(seg, axis=0) == tl.max(seg, axis=0):
             # the whole tile in one segment (most tiles of a hot id): one sum, one add
-            tl.atomic_add(partial_ptr + tl.max(begin, axis=0) // LONG * dim + cols, tl.sum(g, axis=0), mask=cols < dim)
+            tl.atomic_add(partial_ptr + tl.max(begin, axis=0) // LONG * dim + cols, tl.sum(g, axis=0), mask=cols < dim, sem="relaxed")
         else:
             _, acc = tl.associative_scan((tl.broadcast_to(seg[:, None], (TILE, DIM)), g), 0, _same_segment)
             next_seg = tl.load(seg_ptr + i + 1, mask=i + 1 < n, other=-1)
             piece_end = late & ((next_seg != seg) | (i == start + TILE - 1))
             out = partial_ptr + (begin // LONG)[:, None] * dim + cols[None, :]
-            tl.atomic_add(out, acc, mask=piece_end[:, None] & (cols[None, :] < dim))
+            tl.atomic_add(out, acc, mask=piece_end[:, None] & (cols[None, :] < dim), sem="relaxed")
 
 
 @triton.jit
@@ -232,7 +233,7 @@ def _segment_rows_kernel(
             lookups = tl.sum(mine.to(tl.int64), axis=0)
             if lookups > 0:
                 hits = tl.sum((mine & stored).to(tl.int64), axis=0)
-                tl.atomic_add(counts_ptr + table * 5, lookups)
-                tl.atomic_add(counts_ptr + table * 5 + 1, hits)
+                tl.atomic_add(counts_ptr + table * 5, lookups, sem="relaxed")
+                tl.atomic_add(counts_ptr + table * 5 + 1, hits, sem="relaxed")
                 if TRAIN:
-                    tl.atomic_add(counts_ptr + table * 5 + 3, (lookups - hits) * tl.load(inserting_ptr + table))
+                    tl.atomic_add(counts_ptr + table * 5 + 3, (lookups - hits) * tl.load(inserting_ptr + table), sem="relaxed")

@@ -360,14 +360,16 @@ def _claim_kernel(
                     # without a lock: find the key (stored before, or by a copy in this launch),
                     # raise its score and mark it used by this call, before phase 1 evicts
                     # anything. Else claim the bucket's first empty slot by compare-and-swap of
-                    # the key, which copies of a key all aim at. The slot is marked used before
-                    # the swap, whose release makes the mark visible with the key: no evicting
-                    # key takes the row. Reads go through L2, where this launch's writes are.
+                    # the key, which copies of a key all aim at; the slot is marked used (phase
+                    # 1, a later launch, sees the mark: no evicting key takes the row). Reads go
+                    # through L2, where this launch's writes are, so the atomics need no
+                    # ordering (acquire-release ones fence every lane: they cost a third of
+                    # this launch's time).
                     words = _digest_words(digests_base, bucket, active, BUCKET, ALIGN, ".cg")
                     col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
                     found = col < BUCKET
                     hit_slot = bucket * BUCKET + col
-                    tl.atomic_max(scores_base + hit_slot, score, mask=found)
+                    tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
                     tl.store(marks + hit_slot, tl.full([BLOCK], call, tl.int32), mask=found)
                     slot = tl.where(found, hit_slot, slot)
                     active = active & ~found
@@ -378,7 +380,8 @@ def _claim_kernel(
                     tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=claiming)
                     # lanes not claiming swap their own slot entry against a value it never holds
                     old = tl.atomic_cas(
-                        tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3), tl.where(claiming, key, 0)
+                        tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3), tl.where(claiming, key, 0),
+                        sem="relaxed",
                     )
                     won = claiming & (old == empty_key)
                     tl.store(scores_base + target, score, mask=won)
@@ -400,7 +403,7 @@ def _claim_kernel(
                     col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
                     found = col < BUCKET  # a copy evicted for it first
                     hit_slot = bucket * BUCKET + col
-                    tl.atomic_max(scores_base + hit_slot, score, mask=found)
+                    tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
                     choosing = got & ~found
                     lowest, victim_col = _victim_column(score_row, mark_row, choosing, call, BUCKET)
                     can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
@@ -420,9 +423,9 @@ def _claim_kernel(
             tl.store(slot_ptr + offs, slot, mask=live)
             if COUNT:
                 ones = tl.full([BLOCK], 1, tl.int64)
-                tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0)
-                tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0)
-                tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0)
+                tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0, sem="relaxed")
+                tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0, sem="relaxed")
+                tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0, sem="relaxed")
             if PHASE == 0:
                 tl.store(inserted_ptr + offs, inserted, mask=live)
             else:
@@ -484,10 +487,11 @@ def _grid(n: int, block: int) -> tuple[int]:
 
 
 # keys per program and warps: small programs keep more memory requests in flight.
-# Sweeps at dim 128 (B keys/s): H200 8/2 2.20, 4/2 2.52, 32/4 1.78; H100 8/2 1.92,
-# 4/2 1.72, 32/4 1.37. The claim kernel: 8/2 beats 16/4 by 10-15% on both.
-FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 2
-EVICT_SPAN = 4  # blocks of keys per program of the claim's eviction phase (H200: 16 costs a third more at load factor 1)
+# H100 sweeps (B keys/s, dim 64 / 128, λ 0.5): find 8/2 3.59 / 2.16, 16/2 3.61 / 2.18,
+# 4/1 3.27 / 2.10; claim (find_or_insert) 16/2 1.24 / 1.02, 8/2 1.15 / 0.96, 4/1 1.20 /
+# 1.00, 4/2 0.94 / 0.81; 16/2 also leads at λ 1.0 and in the grouped training step.
+FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 16, 2
+EVICT_SPAN = 4  # blocks of keys per program of the claim's eviction phase (16 costs a third more at λ 1.0)
 
 
 def probe(
