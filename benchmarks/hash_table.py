@@ -10,12 +10,14 @@ int64 keys, fp32 values, 1,048,576 keys per call, dim 8 / 64 / 128 with capacity
 128M / 64M / 32M, load factor 0.5 and 1.0, bucket size 128. Per call:
 - find: present keys only; returns values (fused probe + copy) and the found mask.
 - find_or_insert: half present, half new keys, through find_or_insert_values (HKV's
-  semantics: new keys are stored with the buffer's rows, every key's row is returned;
-  refilling the buffer before each call is not timed).
-- insert_or_assign: half present, half new keys, with their values.
+  semantics: new keys are stored with the buffer's rows, every key's row is returned,
+  evicted rows are dropped; refilling the buffer before each call is not timed).
+- insert_or_assign: half present, half new keys, with their values, evicted rows dropped.
+- ..._returning_evicted: the same calls returning the rows they evict (the default; the
+  call waits for the GPU once to learn how many).
 - export: every stored row (keys, values, scores); keys/s = rows exported per second.
 The table runs in its default fast mode; find_or_insert and insert_or_assign are also
-timed in deterministic mode (rows "..._deterministic").
+timed in deterministic mode (rows "..._deterministic", returning evicted rows).
 New keys are erased after each timed call (untimed) so the load factor holds. Baselines
 from the same run: index_select of random rows (a gather with no probe) and searchsorted
 over the sorted stored keys followed by that gather. Times are CUDA-event medians.
@@ -100,13 +102,13 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
         out.copy_(rows)
         return mixed()
 
-    def find_or_insert(keys):
+    def find_or_insert(keys, returning=False):
         step[0] += 1
-        table.find_or_insert_values(keys, torch.full_like(keys, step[0]), out)
+        table.find_or_insert_values(keys, torch.full_like(keys, step[0]), out, return_evicted=returning)
 
-    def insert_or_assign(keys):
+    def insert_or_assign(keys, returning=False):
         step[0] += 1
-        table.insert_or_assign(keys, rows, torch.full_like(keys, step[0]))
+        table.insert_or_assign(keys, rows, torch.full_like(keys, step[0]), return_evicted=returning)
 
     slots = torch.randint(table.capacity, (BATCH,), device="cuda", generator=gen)
     sorted_keys, order = torch.sort(stored)
@@ -119,11 +121,13 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
         "find": timed(find, lambda: (present(),), reps=reps),
         "find_or_insert": timed(find_or_insert, refilled, forget, reps=reps),
         "insert_or_assign": timed(insert_or_assign, mixed, forget, reps=reps),
+        "find_or_insert_returning_evicted": timed(lambda k: find_or_insert(k, True), refilled, forget, reps=reps),
+        "insert_or_assign_returning_evicted": timed(lambda k: insert_or_assign(k, True), mixed, forget, reps=reps),
     }
     table.deterministic = True
     results |= {
-        "find_or_insert_deterministic": timed(find_or_insert, refilled, forget, reps=reps),
-        "insert_or_assign_deterministic": timed(insert_or_assign, mixed, forget, reps=reps),
+        "find_or_insert_deterministic": timed(lambda k: find_or_insert(k, True), refilled, forget, reps=reps),
+        "insert_or_assign_deterministic": timed(lambda k: insert_or_assign(k, True), mixed, forget, reps=reps),
     }
     table.deterministic = False
     results |= {

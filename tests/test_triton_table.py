@@ -255,6 +255,56 @@ def test_fast_mode_keeps_the_tables_promises(max_capacity, batches):
             assert set(new_reported) == set(keys[ref_inserted].tolist())
 
 
+@pytest.mark.parametrize("call", ["insert_or_assign", "find_or_insert_values"])
+def test_fast_inserts_return_the_rows_they_evict(call):
+    """Fast inserts copy rows right after the claim, before they wait for the GPU: the
+    victims' rows must be kept first, since the new keys take their slots."""
+    t = TritonHashTable(row_dim=3, capacity=16, max_capacity=16, bucket_size=8, device=DEVICE, deterministic=False)
+    def rows_of(keys):
+        return keys.to(torch.float32)[:, None].repeat(1, 3) * torch.tensor([1.0, -1.0, 0.5], device=DEVICE)
+    old = torch.arange(100, 116, device=DEVICE)
+    t.insert_or_assign(old, rows_of(old), torch.zeros_like(old))
+    new = torch.arange(500, 510, device=DEVICE)
+    values = rows_of(new)
+    if call == "insert_or_assign":
+        lost = t.insert_or_assign(new, values, torch.ones_like(new))
+    else:
+        lost = t.find_or_insert_values(new, torch.ones_like(new), values.clone())[2]
+    assert lost.keys.numel() > 0 and set(lost.keys.tolist()) <= set(old.tolist())
+    assert torch.equal(lost.rows, rows_of(lost.keys))
+    out = torch.zeros(len(new), 3, device=DEVICE)
+    stored = t.find_values(new, out)
+    assert torch.equal(out[stored], values[stored]) and int(stored.sum()) >= len(lost.keys)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_inserts_can_drop_their_evictions(deterministic):
+    """return_evicted=False: the same table, no evicted rows returned; in fast mode at max
+    capacity no wait for the GPU, so the reserved key is not refused but never stored."""
+    kw = dict(row_dim=2, capacity=16, max_capacity=16, bucket_size=8, device=DEVICE, deterministic=deterministic)
+    kept, dropped = TritonHashTable(**kw), TritonHashTable(**kw)
+    for step in range(1, 4):
+        keys = torch.arange(step * 10, step * 10 + 12, device=DEVICE)
+        rows = torch.randn(12, 2, device=DEVICE)
+        scores = torch.full_like(keys, step)
+        lost = kept.insert_or_assign(keys, rows, scores)
+        assert dropped.insert_or_assign(keys, rows, scores, return_evicted=False).keys.numel() == 0
+        assert dropped.size() == kept.size() and (step == 1 or lost.keys.numel() > 0)
+        if deterministic:
+            assert set(dropped.export()[0].tolist()) == set(kept.export()[0].tolist())
+    values = torch.randn(3, 2, device=DEVICE)
+    keys = torch.tensor([7, 8, 9], device=DEVICE)
+    slots, inserted, lost = dropped.find_or_insert_values(keys, torch.full_like(keys, 9), values.clone(), return_evicted=False)
+    assert lost.keys.numel() == 0 and bool(inserted.all()) and torch.equal(dropped.keys[slots], keys)
+    with_reserved = torch.tensor([EMPTY_KEY, 5], device=DEVICE)
+    if deterministic:
+        with pytest.raises(ValueError, match="reserved"):
+            dropped.find_or_insert(with_reserved, torch.full_like(with_reserved, 9), return_evicted=False)
+    else:
+        slots, inserted, _ = dropped.find_or_insert(with_reserved, torch.full_like(with_reserved, 9), return_evicted=False)
+        assert slots.tolist()[0] == -1 and slots.tolist()[1] >= 0 and inserted.tolist() == [False, True]
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_find_or_insert_values_moves_rows_both_ways(deterministic):
     table = TritonHashTable(row_dim=3, capacity=16 * SCALE, max_capacity=1 << 12, bucket_size=8, device=DEVICE, deterministic=deterministic)

@@ -177,7 +177,7 @@ class ReferenceHashTable:
         return torch.where(match.any(1), slot, torch.full_like(slot, MISSING))
 
     def find_or_insert(
-        self, keys: torch.Tensor, scores: torch.Tensor
+        self, keys: torch.Tensor, scores: torch.Tensor, return_evicted: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, Evicted]:
         """Slot of each key, inserting missing ones with the given score.
 
@@ -185,6 +185,9 @@ class ReferenceHashTable:
         policy already folded the old score in). Returns (slots, inserted, evicted); a slot
         is MISSING only for a new key that lost to every row of its full bucket. A new row's
         values are unspecified (a reused slot keeps old values) until the caller writes them.
+        return_evicted=False: evicted rows are dropped (evicted is empty), as
+        HierarchicalKV's find_or_insert does; the Triton table's fast mode then does not
+        wait for the GPU at max capacity (see TritonHashTable).
         """
         keys = self._check_keys(keys)
         self.placements += 1
@@ -205,16 +208,18 @@ class ReferenceHashTable:
         self.scores[slots[found]] = uscores[found]
         inserted = torch.zeros_like(missing)
         inserted[missing] = slots[missing] != MISSING
+        if not return_evicted:
+            evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
         return slots[inverse], inserted[inverse], evicted
 
     def find_or_insert_values(
-        self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor
+        self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, return_evicted: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, Evicted]:
         """find_or_insert whose `values` (N, row_dim) go both ways, as HierarchicalKV's: a
         new key is stored with its row of values (of several copies, the one reported
         inserted), then every row of values receives its key's stored row (rows of keys
         not stored keep their input). Returns find_or_insert's result."""
-        slots, inserted, evicted = self.find_or_insert(keys, scores)
+        slots, inserted, evicted = self.find_or_insert(keys, scores, return_evicted)
         if self.deterministic and keys.numel():  # the first copy of a new key is the one
             inserted = inserted & _first_occurrence(keys)
         self._store_rows(slots, inserted, values)
@@ -230,14 +235,15 @@ class ReferenceHashTable:
 
     # ---- writes --------------------------------------------------------------------------
     def insert_or_assign(
-        self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor
+        self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, return_evicted: bool = True
     ) -> Evicted:
-        """Stores rows under keys (last copy wins for duplicates), inserting where missing."""
+        """Stores rows under keys (last copy wins for duplicates), inserting where missing.
+        Returns the rows evicted (none with return_evicted=False, see find_or_insert)."""
         keys = self._check_keys(keys)
         if keys.numel() == 0:
             return Evicted.empty(self.row_dim, self.dtype, self.device)
         last = _last_occurrence(keys)
-        slots, _, evicted = self.find_or_insert(keys[last], scores.to(self.device)[last])
+        slots, _, evicted = self.find_or_insert(keys[last], scores.to(self.device)[last], return_evicted)
         ok = slots != MISSING
         self.values[slots[ok]] = rows.to(self.device, self.dtype)[last][ok]
         return evicted

@@ -491,7 +491,10 @@ def _grid(n: int, block: int) -> tuple[int]:
 # 4/1 3.27 / 2.10; claim (find_or_insert) 16/2 1.24 / 1.02, 8/2 1.15 / 0.96, 4/1 1.20 /
 # 1.00, 4/2 0.94 / 0.81; 16/2 also leads at λ 1.0 and in the grouped training step.
 FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 16, 2
-EVICT_SPAN = 4  # blocks of keys per program of the claim's eviction phase (16 costs a third more at λ 1.0)
+# the claim's eviction phase: keys per block, blocks per program, warps. H100, λ 1.0, dim
+# 64 (find_or_insert / insert_or_assign B keys/s): 4/4/1 1.00 / 0.99, 16/4/2 0.90 / 0.90,
+# 8/4/2 0.84 / 0.93, 32/1/4 0.89 / 0.89
+EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS = 4, 4, 1
 
 
 def probe(
@@ -535,13 +538,13 @@ def claim(
     flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
-        for phase, blocks in ((0, 1), (1, EVICT_SPAN)):
-            _claim_kernel[_grid(n, PLACE_BLOCK * blocks)](
+        for phase, block, blocks, warps in ((0, PLACE_BLOCK, 1, PLACE_WARPS), (1, EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS)):
+            _claim_kernel[_grid(n, block * blocks)](
                 keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags[0],
                 victims[0], victims[1], flags[1], call, counts if counts is not None else keys,
-                refuse if refuse is not None else keys, BUCKET=bucket_size, BLOCK=PLACE_BLOCK, MULTI=tids is not None,
+                refuse if refuse is not None else keys, BUCKET=bucket_size, BLOCK=block, MULTI=tids is not None,
                 TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=blocks, ALIGN=min(bucket_size, 16), PHASE=phase,
-                COUNTED=count is not None, REFUSE=refuse is not None, num_warps=PLACE_WARPS,
+                COUNTED=count is not None, REFUSE=refuse is not None, num_warps=warps,
             )
     return slots, flags[0], flags[1], victims[0], victims[1]
 
@@ -612,22 +615,30 @@ class TritonHashTable(ReferenceHashTable):
         d[_MODE.value] = mode
         return d
 
-    def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor):
+    def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor, return_evicted: bool = True):
+        """As the reference's. Fast mode waits for the GPU once per call, to read the count
+        of evicted rows and to refuse a batch holding the reserved key (the claim then
+        leaves the table as it was), or, below max capacity, to decide whether to grow.
+        At max capacity with return_evicted=False it does not wait: the reserved key is
+        then not refused but never stored (slot -1), as in a collection's lookup."""
         if self.deterministic:
-            return super().find_or_insert(keys, scores)
+            return super().find_or_insert(keys, scores, return_evicted)
         keys = self._check_keys(keys, reserved_ok=True).contiguous()
         self.placements += 1
         scores = scores.to(self.device, torch.int64).contiguous()
         lost = Evicted.empty(self.row_dim, self.dtype, self.device)
         if keys.numel() == 0:
             return keys.clone(), keys.bool(), lost
+        mode = self.insert_mode
+        if not return_evicted and mode != GROW:
+            slots, inserted, _, _, _ = claim(self._descriptor, keys, scores, self.bucket_size)
+            return slots, inserted.bool(), lost
         # the reserved key is refused: the claim does nothing when the batch holds it, and
         # the flag is read at the call's one wait for the GPU
         refused = (keys == EMPTY_KEY).any()
         slots, inserted, evicted, victim_keys, victim_scores = claim(
             self._descriptor, keys, scores, self.bucket_size, refuse=refused.view(torch.int8)
         )
-        mode = self.insert_mode
         if mode == EVICT:
             n_lost, refused = torch.stack([evicted.sum(dtype=torch.int64), refused.long()]).tolist()
         if bool(refused):
@@ -635,7 +646,7 @@ class TritonHashTable(ReferenceHashTable):
         if mode == GROW:
             if bool((slots == -2).any()) or self.size() > self.max_load_factor * self.capacity:
                 self._grow()  # moves every row: look the whole batch up again
-                again, inserted_again, lost = self.find_or_insert(keys, scores)
+                again, inserted_again, lost = self.find_or_insert(keys, scores, return_evicted)
                 return again, inserted.bool() | inserted_again, lost
         if mode == EVICT and n_lost:
             v = torch.nonzero_static(evicted, size=n_lost).squeeze(1)
@@ -656,10 +667,10 @@ class TritonHashTable(ReferenceHashTable):
         else:
             copy_rows(self.values, slots, values, None, self.row_dim)
 
-    def insert_or_assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> Evicted:
+    def insert_or_assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, return_evicted: bool = True) -> Evicted:
         if self.deterministic:
-            return super().insert_or_assign(keys, rows, scores)
-        slots, _, evicted = self.find_or_insert(keys, scores)
+            return super().insert_or_assign(keys, rows, scores, return_evicted)
+        slots, _, evicted = self.find_or_insert(keys, scores, return_evicted)
         self._store_rows(slots, slots >= 0, rows.to(self.device, self.dtype).contiguous())
         return evicted
 
