@@ -42,10 +42,13 @@ HKV_H100 = {  # HierarchicalKV's published H100 figures, billions of keys/s (λ 
 }
 
 
-def timed(fn, setup=None, after=None, reps: int = 10) -> float:
+WARMUP = 5  # untimed calls first: the GPU's clocks rise from idle over the first ones
+
+
+def timed(fn, setup=None, after=None, reps: int = 30) -> float:
     """Median seconds of fn() over reps, CUDA events around the call only."""
     times = []
-    for _ in range(reps + 2):
+    for _ in range(reps + WARMUP):
         args = setup() if setup else ()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -55,7 +58,8 @@ def timed(fn, setup=None, after=None, reps: int = 10) -> float:
         times.append(start.elapsed_time(end) / 1000)
         if after:
             after(*args)
-    return sorted(times[2:])[len(times[2:]) // 2]  # first two are warm-up
+    kept = sorted(times[WARMUP:])
+    return kept[len(kept) // 2]
 
 
 def fill(table: TritonHashTable, load_factor: float, gen: torch.Generator) -> torch.Tensor:
@@ -152,7 +156,7 @@ def main() -> None:
     p.add_argument("--dims", type=int, nargs="+", default=[8, 64, 128])
     p.add_argument("--load-factors", type=float, nargs="+", default=[0.5, 1.0])
     p.add_argument("--scale", type=float, default=1.0, help="capacity multiplier (smaller GPUs, quick runs)")
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hash_table_<gpu>.json)")
     args = p.parse_args()
     rows = []
