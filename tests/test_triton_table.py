@@ -257,8 +257,8 @@ def test_fast_mode_keeps_the_tables_promises(max_capacity, batches):
 
 @pytest.mark.parametrize("call", ["insert_or_assign", "find_or_insert_values"])
 def test_fast_inserts_return_the_rows_they_evict(call):
-    """Fast inserts copy rows right after the claim, before they wait for the GPU: the
-    victims' rows must be kept first, since the new keys take their slots."""
+    """A fast insert's evicted rows are the victims' rows, read before the new keys' rows
+    are written into the same slots."""
     t = TritonHashTable(row_dim=3, capacity=16, max_capacity=16, bucket_size=8, device=DEVICE, deterministic=False)
     def rows_of(keys):
         return keys.to(torch.float32)[:, None].repeat(1, 3) * torch.tensor([1.0, -1.0, 0.5], device=DEVICE)
