@@ -32,19 +32,27 @@ from .multi_table_kernels import (
     _segment_update_kernel, _segments_kernel,
 )
 from .triton_optimizers import optimizer_args
-from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe
+from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe, resident_grid
 
 FUSED_POLICIES = ("lru", "epoch_lru", "none")
 MAX_GROUP = 127  # tables per group: the lanes' sort key holds the table in its top 7 bits
 LANE_BLOCK = 256  # ids per program of row initialisation, which most ids skip (H100: 64 cost 2%)
 GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
 SCAN_BLOCK = 1024  # lanes per program of the elementwise kernels of the sort
-LONG_SEGMENT = 32  # lanes of one row beyond which the update sums them across programs
-SUM_TILE, SUM_WARPS = 16, 4  # sorted lanes per program of the sum of long segments, and its warps
+# lanes of one row beyond which the update sums them across programs (H100, Adam: 8 1.45
+# ms per step, 16 1.46, 32 1.55; 4 saves no more and doubles the partial sums' memory)
+LONG_SEGMENT = 8
+# sorted lanes per program of the sum of long segments, and its warps: one warp sums a
+# tile's lanes in registers (H100: 32/1 103 us, 8/1 138, 16/4 176, 64/2 196)
+SUM_TILE, SUM_WARPS = 32, 1
 # embedding values per program of the update (rows: this / dim), and its warps. H100, Adam:
 # 1024/4 1.80 ms per step, 512/2 1.84, 2048/8 1.85; loading 2, 4 or 8 lanes of a segment
 # per round instead of 1 changed nothing or lost
 UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4
+# programs of the update per multiprocessor, stepping through the segments' blocks (a
+# grid sized for the lanes left 2/3 of its programs without segments; H100, Adam: 64
+# 1.45 ms per step, 32 1.46, 8 1.55)
+UPDATE_PROGRAMS = 64
 
 
 def _fusable(emb: DynamicEmbedding) -> bool:
@@ -257,7 +265,7 @@ class _Group:
             r.order, r.seg, r.starts, r.rows, n, grad_ptrs, lane_bounds, r.partial, self.dim,
             LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
         )
-        _segment_update_kernel[(triton.cdiv(n, block),)](
+        _segment_update_kernel[resident_grid(triton.cdiv(n, block), self.device, UPDATE_PROGRAMS)](
             r.order, r.starts, r.rows, r.count, n, grad_ptrs, lane_bounds, r.partial, self._descriptors(), self.dim,
             self.row_stride, **optimizer_args(self.optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
             num_warps=UPDATE_WARPS,

@@ -135,11 +135,6 @@ def _segments_kernel(
 
 
 @triton.jit
-def _same_segment(s1, v1, s2, v2):
-    return s2, tl.where(s1 == s2, v1 + v2, v2)
-
-
-@triton.jit
 def _lane_grads(lane, on, table, grad_ptrs_ptr, lane_start_ptr, cols, dim):
     """The gradients (len(lane), DIM) of these lanes where on, given their table (a valid
     index everywhere): lane l of table t has row (l - lane_start[t]) of the gradient tensor
@@ -155,8 +150,8 @@ def _long_segment_sum_kernel(
     LONG: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr,
 ):
     """Adds the gradients of the lanes in a tile of TILE sorted positions that lie more
-    than LONG lanes into their segment to the segment's partial sum (a segmented scan in
-    the tile, one atomic add per segment piece)."""
+    than LONG lanes into their segment to the segment's partial sum (one atomic add per
+    segment piece)."""
     start = tl.program_id(0) * TILE
     i = start + tl.arange(0, TILE)
     seg = tl.load(seg_ptr + i, mask=i < n, other=-1)
@@ -168,15 +163,14 @@ def _long_segment_sum_kernel(
         cols = tl.arange(0, DIM)
         lane = tl.load(order_ptr + i, mask=i < n, other=0)
         g = _lane_grads(lane, late, tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, cols, dim)
-        if tl.min(late.to(tl.int32), axis=0) > 0 and tl.min(seg, axis=0) == tl.max(seg, axis=0):
-            # the whole tile in one segment (most tiles of a hot id): one sum, one add
-            tl.atomic_add(partial_ptr + tl.max(begin, axis=0) // LONG * dim + cols, tl.sum(g, axis=0), mask=cols < dim, sem="relaxed")
-        else:
-            _, acc = tl.associative_scan((tl.broadcast_to(seg[:, None], (TILE, DIM)), g), 0, _same_segment)
-            next_seg = tl.load(seg_ptr + i + 1, mask=i + 1 < n, other=-1)
-            piece_end = late & ((next_seg != seg) | (i == start + TILE - 1))
-            out = partial_ptr + (begin // LONG)[:, None] * dim + cols[None, :]
-            tl.atomic_add(out, acc, mask=piece_end[:, None] & (cols[None, :] < dim), sem="relaxed")
+        # one add per segment piece in the tile: most tiles of a hot id hold one piece
+        pending = late
+        while tl.max(pending.to(tl.int32), axis=0) > 0:
+            first = tl.min(tl.where(pending, seg, n), axis=0)
+            piece = pending & (seg == first)
+            out = partial_ptr + tl.max(tl.where(piece, begin, 0), axis=0) // LONG * dim + cols
+            tl.atomic_add(out, tl.sum(tl.where(piece[:, None], g, 0.0), axis=0), mask=cols < dim, sem="relaxed")
+            pending = pending & ~piece
 
 
 @triton.jit
@@ -189,27 +183,29 @@ def _segment_update_kernel(
     lanes' gradients: its first LONG lanes added here in sorted order (order[i]: the lane
     at sorted position i), then the partial sum of the rest if any. Segments:
     starts[s] (_segments_kernel) and rows[s] (_segment_rows_kernel), count_ptr[0] of them; rowless ones
-    (rows < 0) are skipped. All lanes of a segment share its table."""
+    (rows < 0) are skipped. All lanes of a segment share its table. Programs step through
+    the blocks of segments (the grid is sized for the lanes; the count is on the device)."""
     count = tl.load(count_ptr)
-    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    packed = tl.load(rows_ptr + s, mask=s < count, other=-1)
-    live = packed >= 0
-    if tl.max(live.to(tl.int32), axis=0) > 0:
-        t = tl.where(live, packed >> SLOT_BITS, 0)
-        begin = tl.load(starts_ptr + s, mask=live, other=0)
-        end = tl.load(starts_ptr + s + 1, mask=live & (s + 1 < count), other=n)
-        long = live & (end - begin > LONG)
-        length = tl.where(live, tl.minimum(end - begin, LONG), 0)
-        cols = tl.arange(0, DIM)
-        values = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32))
-        row_ptr = tl.multiple_of(values + (packed & SLOT_MASK) * row_stride, ROW_ALIGN)  # rows start aligned
-        w, first, second, per_row = _load_rows(row_ptr, live, cols, dim, OPT)  # in flight while the sum runs
-        g = tl.load(partial_ptr + (begin // LONG)[:, None] * dim + cols[None, :], mask=long[:, None] & (cols[None, :] < dim), other=0.0)
-        for j in range(0, tl.max(length, axis=0)):
-            on = j < length
-            lane = tl.load(order_ptr + begin + j, mask=on, other=0)
-            g += _lane_grads(lane, on, t, grad_ptrs_ptr, lane_start_ptr, cols, dim)
-        _step_rows(row_ptr, live, g, cols, dim, w, first, second, per_row, lr, beta1, beta2, eps, weight_decay, max_norm, OPT, CLIP)
+    for block in range(tl.program_id(0), tl.cdiv(count, BLOCK), tl.num_programs(0)):
+        s = block * BLOCK + tl.arange(0, BLOCK)
+        packed = tl.load(rows_ptr + s, mask=s < count, other=-1)
+        live = packed >= 0
+        if tl.max(live.to(tl.int32), axis=0) > 0:
+            t = tl.where(live, packed >> SLOT_BITS, 0)
+            begin = tl.load(starts_ptr + s, mask=live, other=0)
+            end = tl.load(starts_ptr + s + 1, mask=live & (s + 1 < count), other=n)
+            long = live & (end - begin > LONG)
+            length = tl.where(live, tl.minimum(end - begin, LONG), 0)
+            cols = tl.arange(0, DIM)
+            values = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32))
+            row_ptr = tl.multiple_of(values + (packed & SLOT_MASK) * row_stride, ROW_ALIGN)  # rows start aligned
+            w, first, second, per_row = _load_rows(row_ptr, live, cols, dim, OPT)  # in flight while the sum runs
+            g = tl.load(partial_ptr + (begin // LONG)[:, None] * dim + cols[None, :], mask=long[:, None] & (cols[None, :] < dim), other=0.0)
+            for j in range(0, tl.max(length, axis=0)):
+                on = j < length
+                lane = tl.load(order_ptr + begin + j, mask=on, other=0)
+                g += _lane_grads(lane, on, t, grad_ptrs_ptr, lane_start_ptr, cols, dim)
+            _step_rows(row_ptr, live, g, cols, dim, w, first, second, per_row, lr, beta1, beta2, eps, weight_decay, max_norm, OPT, CLIP)
 
 
 @triton.jit

@@ -16,6 +16,7 @@ only writes, so the layout is the reference's, bit for bit.
 Probe and claim kernels address tables through descriptors (storage addresses, bucket
 mask, insert mode), so one launch can serve the many tables of a collection.
 """
+import functools
 import itertools
 
 import torch
@@ -296,8 +297,9 @@ def _export_kernel(
 @triton.jit(do_not_specialize=["call"])
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr,
-    call, counts_ptr, refuse_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
-    COUNT: tl.constexpr, SPAN: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, COUNTED: tl.constexpr, REFUSE: tl.constexpr,
+    call, counts_ptr, refuse_ptr, waits_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr,
+    TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, COUNTED: tl.constexpr,
+    REFUSE: tl.constexpr,
 ):
     """Fast find_or_insert in two launches. PHASE 0: each key looks for itself (found: its
     score is raised to the key's and its row marked used by `call`), else takes its
@@ -310,13 +312,18 @@ def _claim_kernel(
     the call evicts it. The reserved key is never found nor stored (-1).
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
     inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel.
-    REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset)."""
+    REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset).
+    Programs step through the blocks of BLOCK keys (the grid may be smaller than the
+    batch: a device count or few waiting keys leave most blocks without work). Phase 0
+    sets waits_ptr[0] if any key waits; phase 1 does nothing otherwise."""
     if COUNTED:
         n = tl.load(count_ptr)
     if REFUSE:
         n = tl.where(tl.load(refuse_ptr) != 0, 0, n)
-    for sub in range(0, SPAN):  # SPAN blocks of BLOCK keys (phase 1: few wait)
-        offs = (tl.program_id(0) * SPAN + sub) * BLOCK + tl.arange(0, BLOCK)
+    if PHASE == 1:
+        n = tl.where(tl.load(waits_ptr) != 0, n, 0)
+    for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        offs = block * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
         if PHASE == 0:
             waiting = live
@@ -428,6 +435,8 @@ def _claim_kernel(
                 tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0, sem="relaxed")
             if PHASE == 0:
                 tl.store(inserted_ptr + offs, inserted, mask=live)
+                if tl.max((slot == -3).to(tl.int32), axis=0) > 0:
+                    tl.store(waits_ptr, 1)
             else:
                 mine = waiting
                 tl.store(inserted_ptr + offs, inserted, mask=mine)
@@ -491,10 +500,31 @@ def _grid(n: int, block: int) -> tuple[int]:
 # 4/1 3.27 / 2.10; claim (find_or_insert) 16/2 1.24 / 1.02, 8/2 1.15 / 0.96, 4/1 1.20 /
 # 1.00, 4/2 0.94 / 0.81; 16/2 also leads at λ 1.0 and in the grouped training step.
 FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 16, 2
-# the claim's eviction phase: keys per block, blocks per program, warps. H100, λ 1.0, dim
-# 64 (find_or_insert / insert_or_assign B keys/s): 4/4/1 1.00 / 0.99, 16/4/2 0.90 / 0.90,
-# 8/4/2 0.84 / 0.93, 32/1/4 0.89 / 0.89
-EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS = 4, 4, 1
+# the claim's eviction phase: keys per block, warps, and programs per multiprocessor,
+# which step through the batch's blocks: a batch with no waiting key costs few programs
+# (a grid over the batch cost 45 us per 1M keys with none waiting). H100, dim 64, λ 1.0
+# (find_or_insert / insert_or_assign B keys/s): 4/1/128 1.25 / 1.28, 4/1/64 1.18 / 1.27,
+# 4/1/32 1.16 / 1.22, 8/2/16 1.15 / 1.18; within 3% at λ 0.5
+EVICT_BLOCK, EVICT_WARPS, EVICT_PROGRAMS = 4, 1, 128
+# programs per multiprocessor of the claim's first phase over a device count of keys
+# (8, 16 and 32 gave the same grouped training step)
+PLACE_PROGRAMS = 16
+
+
+def resident_grid(blocks: int, device: torch.device, per_multiprocessor: int) -> tuple[int]:
+    """A grid for kernels whose programs step through `blocks` blocks of work: at most
+    per_multiprocessor programs for each multiprocessor of the device (4 in all on a CPU,
+    where the interpreter runs them)."""
+    if device.type == "cuda":
+        programs = per_multiprocessor * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        programs = 4
+    return (max(1, min(blocks, programs)),)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def probe(
@@ -535,18 +565,20 @@ def claim(
     n = keys.numel()
     call = new_call()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
-    flags = torch.zeros(2, n, dtype=torch.int8, device=keys.device)
+    flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)  # inserted, evicted; flags[1, n]: some key waits
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
-        for phase, block, blocks, warps in ((0, PLACE_BLOCK, 1, PLACE_WARPS), (1, EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS)):
-            _claim_kernel[_grid(n, block * blocks)](
+        first = _grid(n, PLACE_BLOCK) if count is None else resident_grid(triton.cdiv(n, PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
+        second = resident_grid(triton.cdiv(n, EVICT_BLOCK), keys.device, EVICT_PROGRAMS)
+        for phase, grid, block, warps in ((0, first, PLACE_BLOCK, PLACE_WARPS), (1, second, EVICT_BLOCK, EVICT_WARPS)):
+            _claim_kernel[grid](
                 keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags[0],
                 victims[0], victims[1], flags[1], call, counts if counts is not None else keys,
-                refuse if refuse is not None else keys, BUCKET=bucket_size, BLOCK=block, MULTI=tids is not None,
-                TABLE_SCORES=table_scores, COUNT=counts is not None, SPAN=blocks, ALIGN=min(bucket_size, 16), PHASE=phase,
+                refuse if refuse is not None else keys, flags[1, n:], BUCKET=bucket_size, BLOCK=block, MULTI=tids is not None,
+                TABLE_SCORES=table_scores, COUNT=counts is not None, ALIGN=min(bucket_size, 16), PHASE=phase,
                 COUNTED=count is not None, REFUSE=refuse is not None, num_warps=warps,
             )
-    return slots, flags[0], flags[1], victims[0], victims[1]
+    return slots, flags[0, :n], flags[1, :n], victims[0], victims[1]
 
 
 def copy_rows(
