@@ -11,7 +11,8 @@ float32 rows, the lru / epoch_lru / none policy, no admission counter and no hos
 and that share dim, optimizer and bucket size, form a group. A group's lookup sorts
 its lanes (one id of one table each) so that copies of an id sit together, then
 launches each kernel once for all its tables over the distinct ids (lookup and claim of
-empty slots, evictions, row initialisation, counting) and once over the lanes (gather).
+empty slots, evictions, row initialisation, counting) and once over the lanes in sorted
+order (gather, and initial embeddings of ids without a row).
 Its update sums each distinct id's gradients and runs the optimizer in one kernel. At
 max capacity none of this waits for the GPU; below it, one check per lookup decides
 whether a table must grow. Other features are served one by one by their
@@ -28,8 +29,8 @@ import triton
 
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .multi_table_kernels import (
-    _boundaries_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _pack_kernel, _segment_rows_kernel,
-    _segment_update_kernel, _segments_kernel,
+    _boundaries_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _pack_kernel,
+    _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
 )
 from .triton_optimizers import optimizer_args
 from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe, resident_grid
@@ -38,6 +39,7 @@ FUSED_POLICIES = ("lru", "epoch_lru", "none")
 MAX_GROUP = 127  # tables per group: the lanes' sort key holds the table in its top 7 bits
 LANE_BLOCK = 256  # ids per program of row initialisation, which most ids skip (H100: 64 cost 2%)
 GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
+FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
 SCAN_BLOCK = 1024  # lanes per program of the elementwise kernels of the sort
 # lanes of one row beyond which the update sums them across programs (H100, Adam: 8 1.45
 # ms per step, 16 1.46, 32 1.55; 4 saves no more and doubles the partial sums' memory)
@@ -80,12 +82,12 @@ class _Routing:
     ids: tuple  # the id tensors looked up (the update checks it gets the same ones)
     order: torch.Tensor  # (N,) lanes in sorted order
     seg: torch.Tensor  # (N,) segment of each sorted lane
-    lane_seg: torch.Tensor  # (N,) segment of each lane
     count: torch.Tensor  # (1,) number of segments
     starts: torch.Tensor  # sorted position of each segment's first lane
     keys: torch.Tensor  # each segment's id
     tids: torch.Tensor  # each segment's table
     rows: torch.Tensor  # each segment's packed row (table << SLOT_BITS | slot); < 0: no row
+    rowless: torch.Tensor  # (1,) set if some segment has no row
     partial: torch.Tensor  # gradient sums of long segments (multi_table_kernels.py), zeroed
     # set by a lookup after its claim: the tables' placement counts (the update checks that
     # nothing moved since)
@@ -178,9 +180,14 @@ class _Group:
         else:
             slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
         self._rows(r, slots, counted=train)
+        dim_block = min(128, triton.next_power_of_2(self.dim))
         _gather_kernel[(triton.cdiv(n, GATHER_BLOCK),)](
-            r.lane_seg, keys, tids, slots, n, self._descriptors(), self._seeds, self._scales, out, self.dim, self.row_stride,
-            BLOCK=GATHER_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(self.dim)), num_warps=GATHER_WARPS,
+            r.order, r.seg, r.rows, n, self._descriptors(), out, self.dim, self.row_stride, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
+            num_warps=GATHER_WARPS,
+        )
+        _fresh_rows_kernel[resident_grid(triton.cdiv(n, GATHER_BLOCK), self.device, FRESH_PROGRAMS)](
+            r.order, r.seg, r.rows, r.keys, r.tids, n, r.rowless, self._seeds, self._scales, out, self.dim, BLOCK=GATHER_BLOCK,
+            DIM_BLOCK=dim_block, num_warps=GATHER_WARPS,
         )
         r.placements = self._placements()
         self.routing = r
@@ -215,7 +222,7 @@ class _Group:
         """Sets r.rows from the segments' slots; counted (train or not): also counts the
         lookup in the members' statistics."""
         _segment_rows_kernel[(triton.cdiv(slots.numel(), SCAN_BLOCK),)](
-            r.tids, slots, r.count, r.rows, self._counts, self._inserting, len(self.members),
+            r.tids, slots, r.count, r.rows, r.rowless, self._counts, self._inserting, len(self.members),
             BLOCK=SCAN_BLOCK, COUNT=counted is not None, TRAIN=bool(counted),
         )
 
@@ -230,13 +237,14 @@ class _Group:
         new = torch.empty(n, dtype=torch.int32, device=self.device)
         _boundaries_kernel[grid](ordered, order, tids, n, new, BLOCK=SCAN_BLOCK)
         seg = torch.cumsum(new, 0)
-        lane_seg, starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(5))
+        starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(4))
         partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
         _segments_kernel[(triton.cdiv(n, 256),)](
-            seg, order, keys, tids, n, lane_seg, starts, seg_keys, seg_tids, partial, self.dim,
+            seg, order, keys, tids, n, starts, seg_keys, seg_tids, partial, self.dim,
             LONG=LONG_SEGMENT, BLOCK=256, DIM=triton.next_power_of_2(self.dim),
         )
-        return _Routing(ids, order, seg, lane_seg, seg[-1:] + 1, starts, seg_keys, seg_tids, rows, partial)
+        rowless = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return _Routing(ids, order, seg, seg[-1:] + 1, starts, seg_keys, seg_tids, rows, rowless, partial)
 
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:

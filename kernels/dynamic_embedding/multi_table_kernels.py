@@ -52,29 +52,48 @@ def _init_rows_kernel(
 
 
 @triton.jit
-def _gather_kernel(
-    lane_seg_ptr, key_ptr, tid_ptr, slot_ptr, n, desc_ptr, seed_ptr, scale_ptr, out_ptr, dim, row_stride,
-    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
-):
-    """out[lane] = the embedding of the row of the lane's id (slot[lane_seg[lane]] in its
-    table), or the id's initial embedding if it has no row (slot < 0)."""
-    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = lane < n
-    t = tl.load(tid_ptr + lane, mask=live, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + tl.load(lane_seg_ptr + lane, mask=live, other=0), mask=live, other=-1)
-    stored = live & (slot >= 0)
-    row = tl.multiple_of(_field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_stride, ROW_ALIGN)
-    fresh = live & ~stored
-    key = tl.load(key_ptr + lane, mask=fresh, other=0)
-    seed, scale = tl.load(seed_ptr + t, mask=fresh, other=0), tl.load(scale_ptr + t, mask=fresh, other=0.0)
-    unstored = tl.max(fresh.to(tl.int32), axis=0) > 0
+def _gather_kernel(order_ptr, seg_ptr, rows_ptr, n, desc_ptr, out_ptr, dim, row_stride, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr):
+    """out[order[i]] = the embedding of the row of sorted lane i's segment (rows[seg[i]]),
+    for lanes whose id has a row (_fresh_rows_kernel does the others: apart, this kernel
+    needs 48 registers instead of 72, for more programs in flight). In sorted order, the
+    lanes of an id read its row one after another."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    packed = tl.load(rows_ptr + tl.load(seg_ptr + i, mask=live, other=0), mask=live, other=-1)
+    stored = packed >= 0
+    lane = tl.load(order_ptr + i, mask=stored, other=0)
+    values = _field(desc_ptr, tl.where(stored, packed >> SLOT_BITS, 0), _VALUES).to(tl.pointer_type(tl.float32))
+    row = tl.multiple_of(values + (packed & SLOT_MASK) * row_stride, ROW_ALIGN)
     for c in range(0, dim, DIM_BLOCK):
         cols = c + tl.arange(0, DIM_BLOCK)
-        in_dim = cols[None, :] < dim
-        value = tl.load(row[:, None] + cols[None, :], mask=stored[:, None] & in_dim)
-        if unstored:
-            value = tl.where(stored[:, None], value, _initial_embedding(key, seed, scale, cols))
-        tl.store(out_ptr + lane[:, None].to(tl.int64) * dim + cols[None, :], value, mask=live[:, None] & in_dim)
+        m = stored[:, None] & (cols[None, :] < dim)
+        tl.store(out_ptr + lane[:, None] * dim + cols[None, :], tl.load(row[:, None] + cols[None, :], mask=m), mask=m)
+
+
+@triton.jit
+def _fresh_rows_kernel(
+    order_ptr, seg_ptr, rows_ptr, seg_key_ptr, seg_tid_ptr, n, rowless_ptr, seed_ptr, scale_ptr, out_ptr, dim,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """out[order[i]] = the initial embedding of sorted lane i's id where its segment has no
+    row. Nothing to do unless rowless_ptr[0] is set (_segment_rows_kernel: some segment has
+    none); programs step through the blocks of lanes."""
+    if tl.load(rowless_ptr) == 0:
+        n = 0
+    for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        s = tl.load(seg_ptr + i, mask=live, other=0)
+        fresh = live & (tl.load(rows_ptr + s, mask=live, other=0) < 0)
+        if tl.max(fresh.to(tl.int32), axis=0) > 0:
+            lane = tl.load(order_ptr + i, mask=fresh, other=0)
+            key = tl.load(seg_key_ptr + s, mask=fresh, other=0)
+            t = tl.load(seg_tid_ptr + s, mask=fresh, other=0)
+            seed, scale = tl.load(seed_ptr + t, mask=fresh, other=0), tl.load(scale_ptr + t, mask=fresh, other=0.0)
+            for c in range(0, dim, DIM_BLOCK):
+                cols = c + tl.arange(0, DIM_BLOCK)
+                m = fresh[:, None] & (cols[None, :] < dim)
+                tl.store(out_ptr + lane[:, None] * dim + cols[None, :], _initial_embedding(key, seed, scale, cols), mask=m)
 
 
 @triton.jit
@@ -104,18 +123,16 @@ def _boundaries_kernel(ordered_ptr, order_ptr, tid_ptr, n, new_ptr, BLOCK: tl.co
 
 @triton.jit
 def _segments_kernel(
-    seg_ptr, order_ptr, key_ptr, tid_ptr, n, lane_seg_ptr, starts_ptr, seg_key_ptr, seg_tid_ptr, partial_ptr, dim,
+    seg_ptr, order_ptr, key_ptr, tid_ptr, n, starts_ptr, seg_key_ptr, seg_tid_ptr, partial_ptr, dim,
     LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
 ):
-    """The segment of each lane (lane_seg), and for each segment s: starts[s], the sorted
-    position of its first lane, and its id and table; the partial sum of a segment of
-    more than LONG lanes is zeroed."""
+    """For each segment s: starts[s], the sorted position of its first lane, and its id
+    and table; the partial sum of a segment of more than LONG lanes is zeroed."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     seg = tl.load(seg_ptr + i, mask=live, other=0)
     first = live & (tl.load(seg_ptr + i - 1, mask=live & (i > 0), other=-1) != seg)
-    lane = tl.load(order_ptr + i, mask=live, other=0)
-    tl.store(lane_seg_ptr + lane, seg, mask=live)
+    lane = tl.load(order_ptr + i, mask=first, other=0)
     tl.store(starts_ptr + seg, i, mask=first)
     tl.store(seg_key_ptr + seg, tl.load(key_ptr + lane, mask=first, other=0), mask=first)
     tl.store(seg_tid_ptr + seg, tl.load(tid_ptr + lane, mask=first, other=0), mask=first)
@@ -210,11 +227,11 @@ def _segment_update_kernel(
 
 @triton.jit
 def _segment_rows_kernel(
-    seg_tid_ptr, slot_ptr, count_ptr, rows_ptr, counts_ptr, inserting_ptr, tables,
+    seg_tid_ptr, slot_ptr, count_ptr, rows_ptr, rowless_ptr, counts_ptr, inserting_ptr, tables,
     BLOCK: tl.constexpr, COUNT: tl.constexpr, TRAIN: tl.constexpr,
 ):
     """For a block of segments (distinct ids of a table): rows[s], the packed row of
-    slot[s] in its table (-1 if none). COUNT: adds them to their tables' counters
+    slot[s] in its table (-1 if none), and rowless[0] set if some segment has none. COUNT: adds them to their tables' counters
     (counts[t, :]): lookups, hits (ids with a row; the claim took off those it inserted)
     and, when training a table that inserts, rejections (ids left without a row)."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -223,6 +240,8 @@ def _segment_rows_kernel(
     slot = tl.load(slot_ptr + s, mask=live, other=-1)
     stored = live & (slot >= 0)
     tl.store(rows_ptr + s, tl.where(stored, (t << SLOT_BITS) | slot, -1), mask=live)
+    if tl.max((live & ~stored).to(tl.int32), axis=0) > 0:
+        tl.store(rowless_ptr, 1)
     if COUNT:
         for table in range(0, tables):
             mine = live & (t == table)
