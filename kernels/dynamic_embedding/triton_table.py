@@ -313,16 +313,21 @@ def _claim_kernel(
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
     inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel.
     REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset).
-    Programs step through the blocks of BLOCK keys (the grid may be smaller than the
-    batch: a device count or few waiting keys leave most blocks without work). Phase 0
-    sets waits_ptr[0] if any key waits; phase 1 does nothing otherwise."""
+    Each program takes a run of consecutive blocks of BLOCK keys, its share of the batch
+    (a grid smaller than the batch serves a device count, which leaves most of a grid
+    sized for the batch without work). Phase 0 sets waits_ptr[0] if any key waits; phase
+    1 does nothing otherwise."""
     if COUNTED:
         n = tl.load(count_ptr)
     if REFUSE:
         n = tl.where(tl.load(refuse_ptr) != 0, 0, n)
+    # a store to waits_ptr from every block would queue at one address: set once is enough
+    flagged = tl.load(waits_ptr) != 0
     if PHASE == 1:
-        n = tl.where(tl.load(waits_ptr) != 0, n, 0)
-    for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        n = tl.where(flagged, n, 0)
+    share = tl.cdiv(tl.cdiv(n, BLOCK), tl.num_programs(0))
+    first_block = tl.program_id(0) * share
+    for block in range(first_block, tl.minimum(first_block + share, tl.cdiv(n, BLOCK))):
         offs = block * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
         if PHASE == 0:
@@ -384,15 +389,17 @@ def _claim_kernel(
                     has_empty = (empty < BUCKET) & (mode != 0)  # READ_ONLY tables only look up
                     claiming = active & has_empty
                     target = bucket * BUCKET + empty
-                    tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=claiming)
-                    # lanes not claiming swap their own slot entry against a value it never holds
-                    old = tl.atomic_cas(
-                        tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3), tl.where(claiming, key, 0),
-                        sem="relaxed",
-                    )
-                    won = claiming & (old == empty_key)
-                    tl.store(scores_base + target, score, mask=won)
-                    tl.store(digests_base + target, digest, mask=won)
+                    won = claiming & False
+                    if tl.max(claiming.to(tl.int32), axis=0) > 0:  # a block of found keys skips the swap
+                        tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=claiming)
+                        # lanes not claiming swap their own slot entry against a value it never holds
+                        old = tl.atomic_cas(
+                            tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3),
+                            tl.where(claiming, key, 0), sem="relaxed",
+                        )
+                        won = claiming & (old == empty_key)
+                        tl.store(scores_base + target, score, mask=won)
+                        tl.store(digests_base + target, digest, mask=won)
                     slot = tl.where(won, target, slot)
                     inserted = tl.where(won, 1, inserted).to(tl.int8)
                     active = active & ~won  # a lost swap reads the bucket again
@@ -435,8 +442,9 @@ def _claim_kernel(
                 tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0, sem="relaxed")
             if PHASE == 0:
                 tl.store(inserted_ptr + offs, inserted, mask=live)
-                if tl.max((slot == -3).to(tl.int32), axis=0) > 0:
+                if not flagged and tl.max((slot == -3).to(tl.int32), axis=0) > 0:
                     tl.store(waits_ptr, 1)
+                    flagged = True
             else:
                 mine = waiting
                 tl.store(inserted_ptr + offs, inserted, mask=mine)
@@ -495,20 +503,22 @@ def _grid(n: int, block: int) -> tuple[int]:
     return (max(1, triton.cdiv(n, block)),)
 
 
-# keys per program and warps: small programs keep more memory requests in flight.
-# H100 sweeps (B keys/s, dim 64 / 128, λ 0.5): find 8/2 3.59 / 2.16, 16/2 3.61 / 2.18,
-# 4/1 3.27 / 2.10; claim (find_or_insert) 16/2 1.24 / 1.02, 8/2 1.15 / 0.96, 4/1 1.20 /
-# 1.00, 4/2 0.94 / 0.81; 16/2 also leads at λ 1.0 and in the grouped training step.
-FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 16, 2
-# the claim's eviction phase: keys per block, warps, and programs per multiprocessor,
-# which step through the batch's blocks: a batch with no waiting key costs few programs
-# (a grid over the batch cost 45 us per 1M keys with none waiting). H100, dim 64, λ 1.0
-# (find_or_insert / insert_or_assign B keys/s): 4/1/128 1.25 / 1.28, 4/1/64 1.18 / 1.27,
-# 4/1/32 1.16 / 1.22, 8/2/16 1.15 / 1.18; within 3% at λ 0.5
-EVICT_BLOCK, EVICT_WARPS, EVICT_PROGRAMS = 4, 1, 128
-# programs per multiprocessor of the claim's first phase over a device count of keys
-# (8, 16 and 32 gave the same grouped training step)
-PLACE_PROGRAMS = 16
+# keys per block and warps: small programs keep more memory requests in flight. H100
+# sweeps (B keys/s, dim 64 / 128, λ 0.5): find 8/2 3.59 / 2.16, 16/2 3.61 / 2.18, 4/1
+# 3.27 / 2.10; claim (find_or_insert) 8/1 1.59 / 1.25, 16/1 1.62 / -, 8/2 1.58 / -, 16/2
+# 1.52 / 1.19; 8/1 also leads at λ 1.0 and in the grouped training step (1.40 ms, 16/2
+# 1.43).
+FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
+# the claim's eviction phase: keys per block, blocks per program, warps. H100, λ 1.0, dim
+# 64 (find_or_insert / insert_or_assign B keys/s): 4/4/1 1.00 / 0.99, 16/4/2 0.90 / 0.90,
+# 8/4/2 0.84 / 0.93, 32/1/4 0.89 / 0.89. Fewer programs cost less when no key waits and
+# balance worse when many do; dim 128, λ 1.0 / 0.5 (find_or_insert): blocks 4 1.06 /
+# 1.21, 8 1.06 / 1.24, 16 1.04 / 1.25, 32 1.01 / 1.26. Over a device count (a
+# collection's lookup) its grid is EVICT_PROGRAMS per multiprocessor instead, as is the
+# first phase's (PLACE_PROGRAMS): a grid sized for the batch cost 25 us in the grouped
+# training step.
+EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS, EVICT_PROGRAMS = 4, 8, 1, 128
+PLACE_PROGRAMS = 32
 
 
 def resident_grid(blocks: int, device: torch.device, per_multiprocessor: int) -> tuple[int]:
@@ -568,8 +578,11 @@ def claim(
     flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)  # inserted, evicted; flags[1, n]: some key waits
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
-        first = _grid(n, PLACE_BLOCK) if count is None else resident_grid(triton.cdiv(n, PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
-        second = resident_grid(triton.cdiv(n, EVICT_BLOCK), keys.device, EVICT_PROGRAMS)
+        if count is None:
+            first, second = _grid(n, PLACE_BLOCK), _grid(n, EVICT_BLOCK * EVICT_SPAN)
+        else:
+            first = resident_grid(triton.cdiv(n, PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
+            second = resident_grid(triton.cdiv(n, EVICT_BLOCK), keys.device, EVICT_PROGRAMS)
         for phase, grid, block, warps in ((0, first, PLACE_BLOCK, PLACE_WARPS), (1, second, EVICT_BLOCK, EVICT_WARPS)):
             _claim_kernel[grid](
                 keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags[0],
