@@ -81,8 +81,8 @@ class _Routing:
 
     ids: tuple  # the id tensors looked up (the update checks it gets the same ones)
     order: torch.Tensor  # (N,) lanes in sorted order
-    seg: torch.Tensor  # (N,) segment of each sorted lane
-    count: torch.Tensor  # (1,) number of segments
+    seg: torch.Tensor  # (N,) int32: segment of each sorted lane
+    count: torch.Tensor  # (1,) int32: number of segments
     starts: torch.Tensor  # sorted position of each segment's first lane
     keys: torch.Tensor  # each segment's id
     tids: torch.Tensor  # each segment's table
@@ -236,7 +236,7 @@ class _Group:
         ordered, order = torch.sort(packed, stable=True)
         new = torch.empty(n, dtype=torch.int32, device=self.device)
         _boundaries_kernel[grid](ordered, order, tids, n, new, BLOCK=SCAN_BLOCK)
-        seg = torch.cumsum(new, 0)
+        seg = torch.cumsum(new, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
         starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(4))
         partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
         _segments_kernel[(triton.cdiv(n, 256),)](
