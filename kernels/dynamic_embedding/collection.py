@@ -37,7 +37,7 @@ from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe, reside
 
 FUSED_POLICIES = ("lru", "epoch_lru", "none")
 MAX_GROUP = 127  # tables per group: the lanes' sort key holds the table in its top 7 bits
-LANE_BLOCK = 256  # ids per program of row initialisation, which most ids skip (H100: 64 cost 2%)
+LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most skip), ids per embedding tile
 GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
 FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
 SCAN_BLOCK = 1024  # lanes per program of the elementwise kernels of the sort
@@ -175,7 +175,7 @@ class _Group:
             slots, inserted = self._claim(r)
             _init_rows_kernel[(triton.cdiv(n, LANE_BLOCK),)](
                 r.keys, r.tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
-                self.row_stride, BLOCK=LANE_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
+                self.row_stride, BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
             )
         else:
             slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
