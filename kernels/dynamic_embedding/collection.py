@@ -29,18 +29,19 @@ import triton
 
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .multi_table_kernels import (
-    _boundaries_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _pack_kernel,
+    _boundaries_kernel, _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel,
     _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
 )
 from .triton_optimizers import optimizer_args
 from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe, resident_grid
 
 FUSED_POLICIES = ("lru", "epoch_lru", "none")
-MAX_GROUP = 127  # tables per group: the lanes' sort key holds the table in its top 7 bits
+MAX_GROUP = 127  # tables per group (the statistics kernel loops over a group's tables)
 LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most skip), ids per embedding tile
 GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
 FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
 SCAN_BLOCK = 1024  # lanes per program of the elementwise kernels of the sort
+DISTINCT_BLOCK, DISTINCT_WARPS = 64, 2  # lanes per program of the numbering by distinct id, and its warps
 # lanes of one row beyond which the update sums them across programs (H100, Adam: 8 1.45
 # ms per step, 16 1.46, 32 1.55; 4 saves no more and doubles the partial sums' memory)
 LONG_SEGMENT = 8
@@ -227,15 +228,19 @@ class _Group:
         )
 
     def _route(self, ids: tuple, keys, tids) -> _Routing:
-        """Sorts the lanes by (table, id) (_pack_kernel) into segments, one per distinct id
-        of a table."""
+        """Numbers the lanes by distinct (table, id) (_distinct_kernel) and sorts them by
+        number into segments, one per distinct id of a table."""
         n = keys.numel()
         grid = (triton.cdiv(n, SCAN_BLOCK),)
-        packed = torch.empty_like(keys)
-        _pack_kernel[grid](keys, tids, n, packed, BLOCK=SCAN_BLOCK)
-        ordered, order = torch.sort(packed, stable=True)
+        slots = triton.next_power_of_2(2 * n)  # the map at most half full
+        scratch = self._cached("map", slots, lambda: torch.empty(slots, dtype=torch.int32, device=self.device)).fill_(-1)
+        numbers = torch.empty(n, dtype=torch.int32, device=self.device)
+        _distinct_kernel[(triton.cdiv(n, DISTINCT_BLOCK),)](
+            keys, tids, n, scratch, slots - 1, numbers, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
+        )
+        ordered, order = torch.sort(numbers, stable=True)
         new = torch.empty(n, dtype=torch.int32, device=self.device)
-        _boundaries_kernel[grid](ordered, order, tids, n, new, BLOCK=SCAN_BLOCK)
+        _boundaries_kernel[grid](ordered, n, new, BLOCK=SCAN_BLOCK)
         seg = torch.cumsum(new, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
         starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(4))
         partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)

@@ -1,9 +1,10 @@
 """Kernels of a group of tables trained together (see collection.py).
 
-A call's lanes (one id of one table each) are sorted by a key of (table, id), so the
-lanes of one id form a segment: the tables are probed once per distinct id, and the
-update sums each segment's gradients and applies the optimizer in one pass. Also here:
-initial rows made in the kernel, the gather of rows to lanes, and per-table counting.
+A call's lanes (one id of one table each) are numbered by distinct (table, id), the
+slot it takes in a scratch hash map, and sorted by that number, so the lanes of one id
+form a segment: the tables are probed once per distinct id, and the update sums each
+segment's gradients and applies the optimizer in one pass. Also here: initial rows made
+in the kernel, the gather of rows to lanes, and per-table counting.
 
 Rows are addressed as packed (table << SLOT_BITS) | slot; tables through descriptors.
 """
@@ -104,28 +105,47 @@ def _fresh_rows_kernel(
 
 
 @triton.jit
-def _pack_kernel(key_ptr, tid_ptr, n, packed_ptr, BLOCK: tl.constexpr):
-    """The sort key of each lane: the hash of its id (a bijection) with the table xored
-    into the top bits, so the lanes of one id of one table sort together. Lanes of two
-    tables may share a sort key; the stable sort keeps them apart, table after table."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-    h = _hash(tl.load(key_ptr + offs, mask=live, other=0)).to(tl.int64, bitcast=True)
-    tl.store(packed_ptr + offs, h ^ (t << 57), mask=live)
+def _distinct_kernel(key_ptr, tid_ptr, n, map_ptr, map_mask, number_ptr, BLOCK: tl.constexpr):
+    """number[lane]: the slot that the lane's (table, id) holds in a scratch open-addressing
+    map (map_ptr: map_mask + 1 int32 slots, -1 when empty, at most half full), which
+    stores the first lane seen with it: equal for the lanes of one id of one table, and
+    distinct otherwise. A 32-bit number sorts in half the radix passes of a 64-bit key."""
+    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lane < n
+    key = tl.load(key_ptr + lane, mask=live, other=0)
+    t = tl.load(tid_ptr + lane, mask=live, other=0)
+    pos = (_hash(key ^ (t.to(tl.int64) << 57)) & map_mask.to(tl.uint64)).to(tl.int64)
+    number = tl.full([BLOCK], -1, tl.int64)
+    active = live
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        held = tl.load(map_ptr + pos, mask=active, other=0, cache_modifier=".cg")  # through L2, where the swaps are
+        empty = active & (held == -1)
+        won = empty & False
+        if tl.max(empty.to(tl.int32), axis=0) > 0:
+            # lanes not taking a slot swap their own number entry against a value it never holds
+            old = tl.atomic_cas(
+                tl.where(empty, map_ptr + pos, number_ptr + lane), tl.where(empty, -1, -2), tl.where(empty, lane, 0), sem="relaxed",
+            )
+            won = empty & (old == -1)
+            held = tl.where(empty & ~won, old, held)
+        other = active & ~won
+        same = other & (tl.load(key_ptr + held, mask=other, other=0) == key) & (tl.load(tid_ptr + held, mask=other, other=-1) == t)
+        found = won | same
+        number = tl.where(found, pos, number)
+        active = active & ~found
+        pos = tl.where(active, (pos + 1) & map_mask, pos)
+    tl.store(number_ptr + lane, number.to(tl.int32), mask=live)
 
 
 @triton.jit
-def _boundaries_kernel(ordered_ptr, order_ptr, tid_ptr, n, new_ptr, BLOCK: tl.constexpr):
-    """new[i] = 1 where sorted position i starts a segment after the first (its sort key
-    or its table differs from the previous lane's), else 0."""
+def _boundaries_kernel(ordered_ptr, n, new_ptr, BLOCK: tl.constexpr):
+    """new[i] = 1 where sorted position i starts a segment after the first (its number
+    differs from the previous lane's), else 0."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     prev = live & (i > 0)
-    t = tl.load(tid_ptr + tl.load(order_ptr + i, mask=live, other=0), mask=live, other=0)
-    t_prev = tl.load(tid_ptr + tl.load(order_ptr + i - 1, mask=prev, other=0), mask=prev, other=0)
-    differs = tl.load(ordered_ptr + i, mask=live, other=0) != tl.load(ordered_ptr + i - 1, mask=prev, other=0)
-    tl.store(new_ptr + i, (prev & (differs | (t != t_prev))).to(tl.int32), mask=live)
+    differs = tl.load(ordered_ptr + i, mask=live, other=0) != tl.load(ordered_ptr + i - 1, mask=prev, other=-1)
+    tl.store(new_ptr + i, (prev & differs).to(tl.int32), mask=live)
 
 
 @triton.jit
