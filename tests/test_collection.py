@@ -122,6 +122,20 @@ def test_reserved_key_and_empty_calls():
     assert user.stats().rejections == 1
 
 
+def test_calls_of_one_id():
+    """One id in a call (kernels whose sizes come to 1 are compiled apart on a GPU): it
+    trains as its table alone trains it."""
+    cfg = configs(256)["user"]
+    coll, alone = DynamicEmbeddingCollection({"user": cfg}, DEVICE), DynamicEmbedding(cfg, DEVICE)
+    ids = torch.tensor([11], device=DEVICE)
+    grads = torch.ones(1, 8, device=DEVICE)
+    for _ in range(2):
+        torch.testing.assert_close(coll.lookup({"user": ids})["user"], alone.lookup(ids))
+        coll.apply_gradients({"user": ids}, {"user": grads})
+        alone.apply_gradients(ids, grads)
+    assert_same_rows(coll["user"], alone)
+
+
 def test_update_after_the_tables_changed_looks_rows_up_again():
     """Erasing and inserting between a lookup and its update move keys between slots: the
     update must not reuse the lookup's slots."""

@@ -86,8 +86,7 @@ def _fresh_rows_kernel(
     """out[order[i]] = the initial embedding of sorted lane i's id where its segment has no
     row. Nothing to do unless rowless_ptr[0] is set (_segment_rows_kernel: some segment has
     none); programs step through the blocks of lanes."""
-    if tl.load(rowless_ptr) == 0:
-        n = 0
+    n = tl.where(tl.load(rowless_ptr) != 0, n, 0)  # (an `if` would retype n where n == 1 is a constant)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
         i = block * BLOCK + tl.arange(0, BLOCK)
         live = i < n
@@ -104,7 +103,7 @@ def _fresh_rows_kernel(
                 tl.store(out_ptr + lane[:, None] * dim + cols[None, :], _initial_embedding(key, seed, scale, cols), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["map_mask"])  # a mask of 1 would be a constant int, without .to
 def _distinct_kernel(key_ptr, tid_ptr, n, map_ptr, map_mask, number_ptr, BLOCK: tl.constexpr):
     """number[lane]: the slot that the lane's (table, id) holds in a scratch open-addressing
     map (map_ptr: map_mask + 1 int32 slots, -1 when empty, at most half full), which
