@@ -42,8 +42,9 @@ GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its w
 FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
 SCAN_BLOCK = 1024  # lanes per program of the elementwise kernels of the sort
 DISTINCT_BLOCK, DISTINCT_WARPS = 64, 2  # lanes per program of the numbering by distinct id, and its warps
-# lanes of one row beyond which the update sums them across programs (H100, Adam: 8 1.45
-# ms per step, 16 1.46, 32 1.55; 4 saves no more and doubles the partial sums' memory)
+# lanes of one row beyond which the update sums them across programs. H100, Adam, ms per
+# step with 64 update programs: 4 1.45, 8 1.45, 16 1.46; with 8: 8 1.48, 16 1.51, 32
+# 1.55. 4 doubles the partial sums' memory for nothing
 LONG_SEGMENT = 8
 # sorted lanes per program of the sum of long segments, and its warps: one warp sums a
 # tile's lanes in registers (H100: 32/1 103 us, 8/1 138, 16/4 176, 64/2 196)
@@ -53,8 +54,8 @@ SUM_TILE, SUM_WARPS = 32, 1
 # per round instead of 1 changed nothing or lost
 UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4
 # programs of the update per multiprocessor, stepping through the segments' blocks (a
-# grid sized for the lanes left 2/3 of its programs without segments; H100, Adam: 64
-# 1.45 ms per step, 32 1.46, 8 1.55)
+# grid sized for the lanes left 2/3 of its programs without segments). H100, Adam, ms
+# per step with LONG_SEGMENT 8: 32 1.46, 64 1.45, 128 1.45; with 32: 8 1.55, 16 1.52, 32 1.50
 UPDATE_PROGRAMS = 64
 
 
