@@ -47,7 +47,8 @@ DISTINCT_BLOCK, DISTINCT_WARPS = 64, 2  # lanes per program of the numbering by 
 # 1.55. 4 doubles the partial sums' memory for nothing
 LONG_SEGMENT = 8
 # sorted lanes per program of the sum of long segments, and its warps: one warp sums a
-# tile's lanes in registers (H100: 32/1 103 us, 8/1 138, 16/4 176, 64/2 196)
+# tile's lanes in registers. H100, Adam, ms per step: 32/1 1.395, 16/1 1.408, 64/2 1.423,
+# 32/2 1.474 (a tile of 16 lanes over 4 warps, summed across them, took 176 us, 32/1 92)
 SUM_TILE, SUM_WARPS = 32, 1
 # embedding values per program of the update (rows: this / dim), and its warps. H100, Adam:
 # 1024/4 1.80 ms per step, 512/2 1.84, 2048/8 1.85; loading 2, 4 or 8 lanes of a segment
