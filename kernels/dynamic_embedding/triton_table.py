@@ -505,7 +505,7 @@ def _grid(n: int, block: int) -> tuple[int]:
 
 # keys per block and warps: small programs keep more memory requests in flight. H100
 # sweeps (B keys/s, dim 64 / 128, λ 0.5): find 8/2 3.59 / 2.16, 16/2 3.61 / 2.18, 4/1
-# 3.27 / 2.10; claim (find_or_insert) 8/1 1.59 / 1.25, 16/1 1.62 / -, 8/2 1.58 / -, 16/2
+# 3.27 / 2.10; claim (find_or_insert) 8/1 1.63 / 1.25, 16/1 1.62 / -, 8/2 1.58 / -, 16/2
 # 1.52 / 1.19; 8/1 also leads at λ 1.0 and in the grouped training step (1.40 ms, 16/2
 # 1.43).
 FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
