@@ -224,10 +224,11 @@ def _segment_update_kernel(
 ):
     """One optimizer step for each of BLOCK segments (distinct rows) with the sum of its
     lanes' gradients: its first LONG lanes added here in sorted order (order[i]: the lane
-    at sorted position i), then the partial sum of the rest if any. Segments:
-    starts[s] (_segments_kernel) and rows[s] (_segment_rows_kernel), count_ptr[0] of them; rowless ones
-    (rows < 0) are skipped. All lanes of a segment share its table. Programs step through
-    the blocks of segments (the grid is sized for the lanes; the count is on the device)."""
+    at sorted position i), then the partial sum of the rest if any. Segments: starts[s]
+    (_segments_kernel) and rows[s] (_segment_rows_kernel), count_ptr[0] of them; rowless
+    ones (rows < 0) are skipped. All lanes of a segment share its table. Programs step
+    through the blocks of segments (the count is on the device, the grid is not sized by
+    it)."""
     count = tl.load(count_ptr)
     for block in range(tl.program_id(0), tl.cdiv(count, BLOCK), tl.num_programs(0)):
         s = block * BLOCK + tl.arange(0, BLOCK)
@@ -257,9 +258,10 @@ def _segment_rows_kernel(
     BLOCK: tl.constexpr, COUNT: tl.constexpr, TRAIN: tl.constexpr,
 ):
     """For a block of segments (distinct ids of a table): rows[s], the packed row of
-    slot[s] in its table (-1 if none), and rowless[0] set if some segment has none. COUNT: adds them to their tables' counters
-    (counts[t, :]): lookups, hits (ids with a row; the claim took off those it inserted)
-    and, when training a table that inserts, rejections (ids left without a row)."""
+    slot[s] in its table (-1 if none), and rowless[0] set if some segment has none.
+    COUNT: adds them to their tables' counters (counts[t, :]): lookups, hits (ids with a
+    row; the claim took off those it inserted) and, when training a table that inserts,
+    rejections (ids left without a row)."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = s < tl.load(count_ptr)
     t = tl.load(seg_tid_ptr + s, mask=live, other=-1).to(tl.int64)
