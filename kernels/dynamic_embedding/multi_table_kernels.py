@@ -178,13 +178,13 @@ def _segments_kernel(
 
 
 @triton.jit
-def _lane_grads(lane, on, table, grad_ptrs_ptr, lane_start_ptr, cols, dim):
-    """The gradients (len(lane), DIM) of these lanes where on, given their table (a valid
-    index everywhere): lane l of table t has row (l - lane_start[t]) of the gradient tensor
-    at address grad_ptrs[t]."""
+def _grad_rows(table, grad_ptrs_ptr, lane_start_ptr, dim):
+    """For lanes of these tables (a valid index everywhere): where row 0 of their table's
+    gradients would be if lanes were numbered from 0 across the group, so that lane l's
+    gradient starts at the result + l * dim (lane l of table t is row l - lane_start[t]
+    of the gradient tensor at address grad_ptrs[t])."""
     grads = tl.load(grad_ptrs_ptr + table).to(tl.pointer_type(tl.float32))
-    row = lane - tl.load(lane_start_ptr + table)
-    return tl.load(grads[:, None] + row[:, None] * dim + cols[None, :], mask=on[:, None] & (cols[None, :] < dim), other=0.0)
+    return grads - tl.load(lane_start_ptr + table) * dim
 
 
 @triton.jit
@@ -205,7 +205,8 @@ def _long_segment_sum_kernel(
         begin = tl.load(starts_ptr + seg, mask=late, other=0)
         cols = tl.arange(0, DIM)
         lane = tl.load(order_ptr + i, mask=i < n, other=0)
-        g = _lane_grads(lane, late, tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, cols, dim)
+        grads = _grad_rows(tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, dim)
+        g = tl.load(grads[:, None] + lane[:, None] * dim + cols[None, :], mask=late[:, None] & (cols[None, :] < dim), other=0.0)
         # one add per segment piece in the tile: most tiles of a hot id hold one piece
         pending = late
         while tl.max(pending.to(tl.int32), axis=0) > 0:
@@ -245,10 +246,15 @@ def _segment_update_kernel(
             row_ptr = tl.multiple_of(values + (packed & SLOT_MASK) * row_stride, ROW_ALIGN)  # rows start aligned
             w, first, second, per_row = _load_rows(row_ptr, live, cols, dim, OPT)  # in flight while the sum runs
             g = tl.load(partial_ptr + (begin // LONG)[:, None] * dim + cols[None, :], mask=long[:, None] & (cols[None, :] < dim), other=0.0)
+            # the address of each segment's gradients computed once, and its next lane loaded
+            # while this one's gradient is (H100, ms per step: SGD 1.027 -> 1.015, Adam 1.335 -> 1.329)
+            grads = _grad_rows(t, grad_ptrs_ptr, lane_start_ptr, dim)
+            lane = tl.load(order_ptr + begin, mask=length > 0, other=0)
             for j in range(0, tl.max(length, axis=0)):
                 on = j < length
-                lane = tl.load(order_ptr + begin + j, mask=on, other=0)
-                g += _lane_grads(lane, on, t, grad_ptrs_ptr, lane_start_ptr, cols, dim)
+                following = tl.load(order_ptr + begin + j + 1, mask=j + 1 < length, other=0)
+                g += tl.load(grads[:, None] + lane[:, None] * dim + cols[None, :], mask=on[:, None] & (cols[None, :] < dim), other=0.0)
+                lane = following
             _step_rows(row_ptr, live, g, cols, dim, w, first, second, per_row, lr, beta1, beta2, eps, weight_decay, max_norm, OPT, CLIP)
 
 
