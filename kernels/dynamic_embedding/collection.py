@@ -246,12 +246,12 @@ class _Group:
         seg = torch.cumsum(new, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
         starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(4))
         partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
+        count, rowless = (torch.empty(1, dtype=torch.int32, device=self.device) for _ in range(2))
         _segments_kernel[(triton.cdiv(n, 256),)](
-            seg, order, keys, tids, n, starts, seg_keys, seg_tids, partial, self.dim,
+            seg, order, keys, tids, n, starts, seg_keys, seg_tids, partial, count, rowless, self.dim,
             LONG=LONG_SEGMENT, BLOCK=256, DIM=triton.next_power_of_2(self.dim),
         )
-        rowless = torch.zeros(1, dtype=torch.int32, device=self.device)
-        return _Routing(ids, order, seg, seg[-1:] + 1, starts, seg_keys, seg_tids, rows, rowless, partial)
+        return _Routing(ids, order, seg, count, starts, seg_keys, seg_tids, rows, rowless, partial)
 
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:

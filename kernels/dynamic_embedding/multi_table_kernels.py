@@ -149,14 +149,18 @@ def _boundaries_kernel(ordered_ptr, n, new_ptr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _segments_kernel(
-    seg_ptr, order_ptr, key_ptr, tid_ptr, n, starts_ptr, seg_key_ptr, seg_tid_ptr, partial_ptr, dim,
+    seg_ptr, order_ptr, key_ptr, tid_ptr, n, starts_ptr, seg_key_ptr, seg_tid_ptr, partial_ptr, count_ptr, rowless_ptr, dim,
     LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
 ):
     """For each segment s: starts[s], the sorted position of its first lane, and its id
-    and table; the partial sum of a segment of more than LONG lanes is zeroed."""
+    and table; the partial sum of a segment of more than LONG lanes is zeroed. Also
+    count[0], the number of segments, and rowless[0] cleared (in this launch rather than
+    two more)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     seg = tl.load(seg_ptr + i, mask=live, other=0)
+    tl.store(count_ptr + tl.zeros_like(i), seg + 1, mask=i == n - 1)
+    tl.store(rowless_ptr, 0, mask=tl.program_id(0) == 0)
     first = live & (tl.load(seg_ptr + i - 1, mask=live & (i > 0), other=-1) != seg)
     lane = tl.load(order_ptr + i, mask=first, other=0)
     tl.store(starts_ptr + seg, i, mask=first)
