@@ -87,11 +87,12 @@ def apply(table, op, keys, rows, scores):
 
 
 @pytest.mark.parametrize("max_capacity", [32, 1 << 12], ids=["evicting", "growing"])
+@pytest.mark.parametrize("bucket_size", [8, 16])  # 16: probes read a bucket's digests in two halves
 @settings(max_examples=40, deadline=None)
 @given(sequence=op_lists, host_rows=st.booleans())
-def test_triton_table_matches_reference(max_capacity, sequence, host_rows):
+def test_triton_table_matches_reference(max_capacity, bucket_size, sequence, host_rows):
     """host_rows: the Triton table's rows in pinned host memory (on a GPU, reached in place)."""
-    kw = dict(row_dim=3, capacity=16 * SCALE, max_capacity=max_capacity * SCALE, bucket_size=8, device=DEVICE)
+    kw = dict(row_dim=3, capacity=16 * SCALE, max_capacity=max_capacity * SCALE, bucket_size=bucket_size, device=DEVICE)
     ref, tri = ReferenceHashTable(**kw), TritonHashTable(**kw, host_rows=host_rows)
     for i, (op, n, seed) in enumerate(sequence):
         keys, rows, scores = batch(n * SCALE, seed, 3, key_range=40 * SCALE)

@@ -71,17 +71,22 @@ BYTE_ONES = tl.constexpr(0x0101010101010101)
 
 
 @triton.jit
-def _digest_words(digests_base, bucket, live, BUCKET: tl.constexpr, ALIGN: tl.constexpr, CACHE: tl.constexpr):
-    """The digests of each lane's bucket as uint64 words, (BLOCK, max(BUCKET // 8, 1)). A
-    bucket of fewer than 8 slots shares its word: its bytes are shifted to the bottom and
-    the others zeroed (the table pads its digests to whole words)."""
+def _digest_words(
+    digests_base, bucket, live, BUCKET: tl.constexpr, ALIGN: tl.constexpr, CACHE: tl.constexpr, FIRST: tl.constexpr,
+    WORDS: tl.constexpr, POLICY: tl.constexpr,
+):
+    """The digests of each lane's bucket as uint64 words, (BLOCK, max(BUCKET // 8, 1)), or
+    WORDS words from word FIRST on if WORDS > 0. A bucket of fewer than 8 slots shares its
+    word: its bytes are shifted to the bottom and the others zeroed (the table pads its
+    digests to whole words). POLICY: the load's L2 eviction policy."""
     words_base = digests_base.to(tl.pointer_type(tl.uint64))
     if BUCKET >= 8:
         row = tl.multiple_of(words_base + bucket * (BUCKET // 8), ALIGN)  # ALIGN bytes
-        return tl.load(row[:, None] + tl.arange(0, BUCKET // 8)[None, :], mask=live[:, None], other=0, cache_modifier=CACHE)
+        cols = FIRST + tl.arange(0, WORDS if WORDS > 0 else BUCKET // 8)
+        return tl.load(row[:, None] + cols[None, :], mask=live[:, None], other=0, cache_modifier=CACHE, eviction_policy=POLICY)
     else:
         first = bucket * BUCKET
-        word = tl.load(words_base + first // 8, mask=live, other=0, cache_modifier=CACHE)
+        word = tl.load(words_base + first // 8, mask=live, other=0, cache_modifier=CACHE, eviction_policy=POLICY)
         word = (word >> ((first % 8) * 8).to(tl.uint64)) & ((1 << (8 * BUCKET)) - 1)
         return word[:, None]
 
@@ -137,6 +142,35 @@ def _key_column(key_row, key, flags, BUCKET: tl.constexpr, CACHE: tl.constexpr):
     return col
 
 
+@triton.jit
+def _find_column(
+    digests_base, key_row, bucket, key, digest, live, BUCKET: tl.constexpr, ALIGN: tl.constexpr, CACHE: tl.constexpr,
+    POLICY: tl.constexpr,
+):
+    """(the column of `key` in its bucket, BUCKET if absent; where it is absent, the
+    bucket's lowest column with a zero digest, BUCKET if none). The digests are read in
+    halves, the second only for keys not in the first: a key found in the first half
+    moves 64 bytes of digests instead of 128 (a bucket of 128), and the claim kernel's
+    first phase needs 72 registers instead of 94. POLICY: the digests' L2 eviction
+    policy."""
+    if BUCKET >= 16:
+        words = _digest_words(digests_base, bucket, live, BUCKET, ALIGN, CACHE, 0, BUCKET // 16, POLICY)
+        col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, CACHE)
+        empty = _lowest_column(_zero_bytes(words), BUCKET)
+        rest = live & (col == BUCKET)
+        if tl.max(rest.to(tl.int32), axis=0) > 0:
+            words = _digest_words(digests_base, bucket, rest, BUCKET, ALIGN, CACHE, BUCKET // 16, BUCKET // 16, POLICY)
+            c = _key_column(key_row + BUCKET // 2, key, _bytes_equal(words, digest), BUCKET, CACHE)
+            col = tl.where(c < BUCKET, BUCKET // 2 + c, col)
+            later = _lowest_column(_zero_bytes(words), BUCKET)
+            empty = tl.where((empty == BUCKET) & (later < BUCKET), BUCKET // 2 + later, empty)
+    else:
+        words = _digest_words(digests_base, bucket, live, BUCKET, ALIGN, CACHE, 0, 0, POLICY)
+        col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, CACHE)
+        empty = _lowest_column(_zero_bytes(words), BUCKET)
+    return col, empty
+
+
 # columns of a bucket that the eviction reads at a time (scores and marks): fewer values
 # in registers for the claim kernel's second phase
 VICTIM_CHUNK = tl.constexpr(32)
@@ -165,9 +199,10 @@ def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
 def _find_kernel(
     query_ptr, tid_ptr, n, count_ptr, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
-    MULTI: tl.constexpr, ALIGN: tl.constexpr, COUNTED: tl.constexpr,
+    MULTI: tl.constexpr, ALIGN: tl.constexpr, COUNTED: tl.constexpr, FOUND: tl.constexpr,
 ):
     """slot of each query key in its table (or -1); MULTI: table tid[i], else table 0.
+    FOUND: slot_ptr (int8) gets whether each key is found instead.
     COUNTED: only the first count_ptr[0] keys (a device count) are looked up.
     GATHER: also copy the first out_dim values of found rows into out (rows of missing keys
     are left untouched)."""
@@ -182,12 +217,18 @@ def _find_kernel(
     key = tl.load(query_ptr + offs, mask=live, other=0)
     h = _hash(key)
     bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
-    words = _digest_words(_field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8)), bucket, live, BUCKET, ALIGN, "")
+    digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
     key_row = tl.multiple_of(_field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + bucket * BUCKET, ALIGN)
-    col = _key_column(key_row, key, _bytes_equal(words, _digest(h)), BUCKET, "")
+    # the digests kept in L2: they are 1/8 of a key's traffic at dim 128 (H100, dim 128,
+    # every key stored, 10^9 keys/s at λ 0.5 / 1.0, kernel alone: whole buckets 2.29 /
+    # 2.27, halves 2.36 / 2.28, halves kept in L2 2.41 / 2.32)
+    col, _ = _find_column(digests_base, key_row, bucket, key, _digest(h), live, BUCKET, ALIGN, "", "evict_last")
     found = col < BUCKET
     slot = tl.where(found, bucket * BUCKET + col, -1)
-    tl.store(slot_ptr + offs, slot, mask=live)
+    if FOUND:
+        tl.store(slot_ptr + offs, found.to(tl.int8), mask=live)
+    else:
+        tl.store(slot_ptr + offs, slot, mask=live)
     if GATHER:
         values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(out_ptr.dtype.element_ty))
         row_ptr = tl.multiple_of(values_base + slot * row_stride, ROW_ALIGN)  # rows start 16-element aligned
@@ -377,15 +418,14 @@ def _claim_kernel(
                     # through L2, where this launch's writes are, so the atomics need no
                     # ordering (acquire-release ones fence every lane: 13% of this launch's
                     # time on an H100).
-                    words = _digest_words(digests_base, bucket, active, BUCKET, ALIGN, ".cg")
-                    col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
+                    col, empty = _find_column(digests_base, key_row, bucket, key, digest, active, BUCKET, ALIGN, ".cg", "")
                     found = col < BUCKET
                     hit_slot = bucket * BUCKET + col
                     tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
                     tl.store(marks + hit_slot, tl.full([BLOCK], call, tl.int32), mask=found)
                     slot = tl.where(found, hit_slot, slot)
                     active = active & ~found
-                    empty = _lowest_column(_zero_bytes(words), BUCKET)  # a zero digest may trail its key: the swap tells
+                    # a free column: its zero digest may trail its key (the swap tells)
                     has_empty = (empty < BUCKET) & (mode != 0)  # READ_ONLY tables only look up
                     claiming = active & has_empty
                     target = bucket * BUCKET + empty
@@ -413,7 +453,7 @@ def _claim_kernel(
                         tl.where(active, lock, slot_ptr + offs), tl.where(active, 0, -4).to(tl.int64),
                         tl.full([BLOCK], 1, tl.int64), sem="acquire",
                     ) == 0)
-                    words = _digest_words(digests_base, bucket, got, BUCKET, ALIGN, ".cg")
+                    words = _digest_words(digests_base, bucket, got, BUCKET, ALIGN, ".cg", 0, 0, "")
                     col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
                     found = col < BUCKET  # a copy evicted for it first
                     hit_slot = bucket * BUCKET + col
@@ -539,23 +579,23 @@ def _multiprocessors(index: int) -> int:
 
 def probe(
     desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, count: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, count: torch.Tensor | None = None, found_only: bool = False,
 ) -> torch.Tensor:
     """Slots of keys (-1 if absent) in the tables of `desc` ((T, DESCRIPTOR_WORDS); key i in
-    table tids[i], or all in table 0). `out` (N, d) receives the first d values of found
-    rows. count: a device scalar; only the first `count` keys are looked up (the other
-    slots are left unset)."""
+    table tids[i], or all in table 0), or with found_only whether each is stored (bool).
+    `out` (N, d) receives the first d values of found rows. count: a device scalar; only
+    the first `count` keys are looked up (the other slots are left unset)."""
     n = keys.numel()
-    slots = torch.empty(n, dtype=torch.int64, device=keys.device)
+    slots = torch.empty(n, dtype=torch.bool if found_only else torch.int64, device=keys.device)
     if n == 0:
         return slots
     out_dim = out.shape[1] if out is not None else 0
     _find_kernel[_grid(n, FIND_BLOCK)](
-        keys, tids if tids is not None else keys, n, count if count is not None else keys, desc, slots,
-        out if out is not None else slots, out_dim, row_stride,
+        keys, tids if tids is not None else keys, n, count if count is not None else keys, desc,
+        slots.view(torch.int8) if found_only else slots, out if out is not None else slots, out_dim, row_stride,
         BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
         GATHER=out is not None, MULTI=tids is not None, ALIGN=min(bucket_size, 16), COUNTED=count is not None,
-        num_warps=FIND_WARPS,
+        FOUND=found_only, num_warps=FIND_WARPS,
     )
     return slots
 
@@ -739,9 +779,10 @@ class TritonHashTable(ReferenceHashTable):
         words[_MASK.value], words[_MODE.value] = num_buckets - 1, self.insert_mode
         self._descriptor = torch.tensor(words, dtype=torch.int64, device=self.device)
 
-    def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Slots of keys (-1 if absent); `out` receives found rows' values."""
-        return probe(self._descriptor, keys, self.bucket_size, self.row_stride, out=out)
+    def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None, found_only: bool = False) -> torch.Tensor:
+        """Slots of keys (-1 if absent), or whether each is stored; `out` receives found
+        rows' values."""
+        return probe(self._descriptor, keys, self.bucket_size, self.row_stride, out=out, found_only=found_only)
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """As the reference's, but the reserved key is not refused: it is never found (its
@@ -754,7 +795,7 @@ class TritonHashTable(ReferenceHashTable):
         keys = self._check_keys(keys, reserved_ok=True).contiguous()  # never found, as in find
         if out.dtype != self.dtype or not out.is_contiguous() or out.shape[0] != keys.numel():
             raise ValueError("out must be a contiguous (N, d) tensor of the table's dtype")
-        return self._probe(keys, out) != MISSING
+        return self._probe(keys, out, found_only=True)
 
     def _place(self, new_keys: torch.Tensor, new_scores: torch.Tensor, used_keys: torch.Tensor) -> Evicted:
         S = self.bucket_size
