@@ -2,9 +2,9 @@
 Triton kernels.
 
 Each slot also carries a one-byte digest (the hash's top byte): a probe reads a bucket's
-digests (bucket_size bytes, compared 8 at a time) and loads full keys only where the
-digest matches, and the id of the last call that used it (a row used by a call is never
-evicted by that call).
+digests (bucket_size bytes, compared 8 at a time, the second half only for keys not in
+the first) and loads full keys only where the digest matches, and the id of the last
+call that used it (a row used by a call is never evicted by that call).
 Rows are padded to a multiple of ROW_ALIGN values so they start aligned.
 
 Fast mode (the default) inserts in kernels that race safely: a new key claims an empty
