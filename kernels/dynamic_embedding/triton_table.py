@@ -153,10 +153,11 @@ def _find_column(
     moves 64 bytes of digests instead of 128 (a bucket of 128), and the claim kernel's
     first phase needs 72 registers instead of 94. POLICY: the digests' L2 eviction
     policy."""
+    # the first half's words, or the whole bucket (WORDS 0) where it has fewer than 2 words
+    words = _digest_words(digests_base, bucket, live, BUCKET, ALIGN, CACHE, 0, BUCKET // 16 if BUCKET >= 16 else 0, POLICY)
+    col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, CACHE)
+    empty = _lowest_column(_zero_bytes(words), BUCKET)
     if BUCKET >= 16:
-        words = _digest_words(digests_base, bucket, live, BUCKET, ALIGN, CACHE, 0, BUCKET // 16, POLICY)
-        col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, CACHE)
-        empty = _lowest_column(_zero_bytes(words), BUCKET)
         rest = live & (col == BUCKET)
         if tl.max(rest.to(tl.int32), axis=0) > 0:
             words = _digest_words(digests_base, bucket, rest, BUCKET, ALIGN, CACHE, BUCKET // 16, BUCKET // 16, POLICY)
@@ -164,10 +165,6 @@ def _find_column(
             col = tl.where(c < BUCKET, BUCKET // 2 + c, col)
             later = _lowest_column(_zero_bytes(words), BUCKET)
             empty = tl.where((empty == BUCKET) & (later < BUCKET), BUCKET // 2 + later, empty)
-    else:
-        words = _digest_words(digests_base, bucket, live, BUCKET, ALIGN, CACHE, 0, 0, POLICY)
-        col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, CACHE)
-        empty = _lowest_column(_zero_bytes(words), BUCKET)
     return col, empty
 
 
