@@ -323,3 +323,49 @@ def test_find_or_insert_values_moves_rows_both_ways(deterministic):
     if deterministic:
         assert torch.equal(stored_100, given[1])  # the first copy
     assert int(inserted.sum()) == 2
+
+
+def stored_rows(table) -> dict:
+    keys, values, _ = table.export()
+    return dict(zip(keys.tolist(), map(tuple, values.tolist())))
+
+
+@settings(max_examples=20, deadline=None)
+@given(batches=st.lists(
+    st.tuples(st.sampled_from(["find_or_insert_values", "insert_or_assign"]), st.integers(0, 40), st.integers(0, 2**31 - 1)),
+    min_size=1, max_size=10,
+))
+def test_fast_inserts_that_do_not_wait_move_rows_right(batches):
+    """At max capacity with return_evicted=False (no wait for the GPU; find_or_insert_values
+    moves its rows inside the claim, victims' rows simply overwritten), with duplicated
+    keys and evictions: a stored key's row is its old row (found by
+    find_or_insert_values) or one of its copies' rows, which every copy gets back; keys
+    not stored keep their input; rows of keys the call does not touch are unchanged."""
+    t = TritonHashTable(row_dim=3, capacity=32 * SCALE, max_capacity=32 * SCALE, bucket_size=8, device=DEVICE, deterministic=False)
+    for step, (call, n, seed) in enumerate(batches, start=1):
+        keys, rows, _ = batch(n * SCALE, seed, 3, key_range=40 * SCALE)
+        before = stored_rows(t)
+        scores = torch.full_like(keys, step)
+        if call == "insert_or_assign":
+            assert t.insert_or_assign(keys, rows, scores, return_evicted=False).keys.numel() == 0
+            slots = t.find(keys)
+        else:
+            buffer = rows.clone()
+            slots, inserted, lost = t.find_or_insert_values(keys, scores, buffer, return_evicted=False)
+            assert lost.keys.numel() == 0
+            assert torch.equal(buffer[slots < 0], rows[slots < 0])
+            stored = slots >= 0
+            assert torch.equal(buffer[stored], t.values[slots[stored]])
+            assert torch.equal(t.values[slots[inserted]], rows[inserted])
+        after = stored_rows(t)
+        copies: dict = {}
+        for key, row in zip(keys.tolist(), map(tuple, rows.tolist())):
+            copies.setdefault(key, set()).add(row)
+        for key, row in after.items():
+            if key not in copies:
+                assert row == before[key], f"row of untouched key {key} changed"
+            elif call == "find_or_insert_values" and key in before:
+                assert row == before[key], f"row of found key {key} changed"
+            else:
+                assert row in copies[key], f"row of key {key} is none of its copies'"
+        assert set(after) >= set(keys[slots >= 0].tolist())

@@ -177,7 +177,7 @@ class _Group:
                 m.table.placements += 1  # the claim below inserts and evicts
             slots, inserted = self._claim(r)
             _init_rows_kernel[(triton.cdiv(n, LANE_BLOCK),)](
-                r.keys, r.tids, slots, inserted, n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
+                r.keys, r.tids, slots, inserted.view(torch.int8), n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
                 self.row_stride, BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
             )
         else:

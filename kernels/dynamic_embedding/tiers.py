@@ -67,10 +67,9 @@ def swap_in(
     seed, scale, dim = init
     if n:
         _initial_rows_kernel[_grid(n, INIT_BLOCK)](
-            keys, host_slots, slots, inserted, rows, n, seed, scale, dim, device.row_dim, BLOCK=INIT_BLOCK,
+            keys, host_slots, slots, inserted.view(torch.int8), rows, n, seed, scale, dim, device.row_dim, BLOCK=INIT_BLOCK,
             DIM_BLOCK=min(64, triton.next_power_of_2(dim)),
         )
-    inserted, evicted = inserted.bool(), evicted.bool()
     promoted = inserted & (host_slots >= 0)
     host._clear(torch.where(promoted, host_slots, -1))  # their rows are in `rows` now
     # an evicted lane's slot still holds its victim's row: it moves down before the new row comes in

@@ -182,14 +182,32 @@ def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
     for c in range(0, BUCKET, VICTIM_CHUNK):
         cols = c + tl.arange(0, VICTIM_CHUNK)[None, :]
         on = choosing[:, None] & (cols < BUCKET)
+        # scores and marks in flight together: a score load masked by the marks waits for them
         unused = on & (tl.load(mark_row[:, None] + cols, mask=on, other=call, cache_modifier=".cg") != call)
-        scores = tl.where(unused, tl.load(score_row[:, None] + cols, mask=unused, other=0, cache_modifier=".cg"), 9223372036854775807)
+        scores = tl.where(unused, tl.load(score_row[:, None] + cols, mask=on, other=0, cache_modifier=".cg"), 9223372036854775807)
         low = tl.min(scores, axis=1)
         at = tl.min(tl.where(unused & (scores == low[:, None]), cols, BUCKET), axis=1)
         better = (at < BUCKET) & ((low < lowest) | (victim == BUCKET))  # ties keep the lower column
         victim = tl.where(better, at, victim)
         lowest = tl.where(better, low, lowest)
     return lowest, victim
+
+
+@triton.jit
+def _move_rows(
+    values_base, slot, row_stride, buf_ptr, offs, lanes, row_dim, TO_TABLE: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """For lanes: the first row_dim values of the table row at `slot` to row offs of buf
+    (N, row_dim), or back (TO_TABLE)."""
+    row_ptr = tl.multiple_of(values_base + slot * row_stride, ROW_ALIGN)  # rows start 16-element aligned
+    buf_row = buf_ptr + offs[:, None].to(tl.int64) * row_dim
+    for c in range(0, row_dim, DIM_BLOCK):
+        cols = c + tl.arange(0, DIM_BLOCK)
+        m = lanes[:, None] & (cols[None, :] < row_dim)
+        if TO_TABLE:
+            tl.store(row_ptr[:, None] + cols[None, :], tl.load(buf_row + cols[None, :], mask=m), mask=m)
+        else:
+            tl.store(buf_row + cols[None, :], tl.load(row_ptr[:, None] + cols[None, :], mask=m), mask=m)
 
 
 @triton.jit
@@ -228,12 +246,7 @@ def _find_kernel(
         tl.store(slot_ptr + offs, slot, mask=live)
     if GATHER:
         values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(out_ptr.dtype.element_ty))
-        row_ptr = tl.multiple_of(values_base + slot * row_stride, ROW_ALIGN)  # rows start 16-element aligned
-        for c in range(0, out_dim, DIM_BLOCK):
-            cols = c + tl.arange(0, DIM_BLOCK)
-            m = found[:, None] & (cols[None, :] < out_dim)
-            row = tl.load(row_ptr[:, None] + cols[None, :], mask=m)
-            tl.store(out_ptr + offs[:, None].to(tl.int64) * out_dim + cols[None, :], row, mask=m)
+        _move_rows(values_base, slot, row_stride, out_ptr, offs, found, out_dim, False, DIM_BLOCK)
 
 
 @triton.jit(do_not_specialize=["call"])
@@ -334,10 +347,10 @@ def _export_kernel(
 
 @triton.jit(do_not_specialize=["call"])
 def _claim_kernel(
-    query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, inserted_ptr, victim_key_ptr, victim_score_ptr, evicted_ptr,
-    call, counts_ptr, refuse_ptr, waits_ptr, BUCKET: tl.constexpr, BLOCK: tl.constexpr, MULTI: tl.constexpr,
-    TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, COUNTED: tl.constexpr,
-    REFUSE: tl.constexpr,
+    query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, flags_ptr, victims_ptr, call, counts_ptr, refuse_ptr,
+    buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, BLOCK: tl.constexpr,
+    MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
+    COUNTED: tl.constexpr, REFUSE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
     """Fast find_or_insert in two launches. PHASE 0: each key looks for itself (found: its
     score is raised to the key's and its row marked used by `call`), else takes its
@@ -351,17 +364,26 @@ def _claim_kernel(
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
     inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel.
     REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset).
+    ROWS (one table, no victims returned: their rows are overwritten): find_or_insert_values'
+    rows, buf (N, row_dim): a key inserted stores its row of buf, the others get their
+    stored row in buf. A key inserted in phase 0 writes its row there; rows go out in phase
+    1, which then runs over every key: a key found in phase 0 may be a copy of one whose
+    row is written in the same launch. A key that evicts writes its row before it releases
+    the bucket's lock, which a copy takes before it finds the key.
     Each program takes a run of consecutive blocks of BLOCK keys, its share of the batch
     (a grid smaller than the batch serves a device count, which leaves most of a grid
-    sized for the batch without work). Phase 0 sets waits_ptr[0] if any key waits; phase
-    1 does nothing otherwise."""
+    sized for the batch without work). Outputs past the slots: flags (2, n + 1) int8,
+    whether each key was inserted, whether it evicted, and at [1, n] whether any key waits
+    (phase 1 does nothing otherwise); victims (2, n): the evicted keys and their scores."""
+    inserted_ptr, evicted_ptr, waits_ptr = flags_ptr, flags_ptr + n + 1, flags_ptr + 2 * n + 1
+    victim_key_ptr, victim_score_ptr = victims_ptr, victims_ptr + n
     if COUNTED:
         n = tl.load(count_ptr)
     if REFUSE:
         n = tl.where(tl.load(refuse_ptr) != 0, 0, n)
     # a store to waits_ptr from every block would queue at one address: set once is enough
     flagged = tl.load(waits_ptr) != 0
-    if PHASE == 1:
+    if PHASE == 1 and not ROWS:
         n = tl.where(flagged, n, 0)
     share = tl.cdiv(tl.cdiv(n, BLOCK), tl.num_programs(0))
     first_block = tl.program_id(0) * share
@@ -373,6 +395,7 @@ def _claim_kernel(
         else:
             slot = tl.load(slot_ptr + offs, mask=live, other=0)
             waiting = live & (slot == -3)
+            moved = tl.load(inserted_ptr + offs, mask=live & ~waiting, other=0) != 0  # rows in since phase 0
         if tl.max(waiting.to(tl.int32), axis=0) > 0:
             if MULTI:
                 t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
@@ -396,6 +419,7 @@ def _claim_kernel(
             digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
             scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
             marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
+            values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(buf_ptr.dtype.element_ty))
             lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
             key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
             score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)
@@ -464,6 +488,9 @@ def _claim_kernel(
                     tl.store(scores_base + target, score, mask=can_evict)
                     tl.store(digests_base + target, digest, mask=can_evict)
                     tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
+                    if ROWS:  # the row is in before the lock's release: a copy of the key may read it
+                        _move_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK)
+                        tl.debug_barrier()  # every thread's part of the row before the release
                     slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
                     inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
                     evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
@@ -472,6 +499,11 @@ def _claim_kernel(
                     tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
                     active = active & ~got
             tl.store(slot_ptr + offs, slot, mask=live)
+            if ROWS:
+                if PHASE == 0:
+                    _move_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK)
+                else:
+                    moved = moved | (inserted != 0)
             if COUNT:
                 ones = tl.full([BLOCK], 1, tl.int64)
                 tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0, sem="relaxed")
@@ -488,6 +520,9 @@ def _claim_kernel(
                 tl.store(evicted_ptr + offs, evicted, mask=mine)
                 tl.store(victim_key_ptr + offs, victim_key, mask=mine)
                 tl.store(victim_score_ptr + offs, victim_score, mask=mine)
+        if PHASE == 1 and ROWS:
+            values_base = _field(desc_ptr, 0, _VALUES).to(tl.pointer_type(buf_ptr.dtype.element_ty))
+            _move_rows(values_base, slot, row_stride, buf_ptr, offs, live & (slot >= 0) & ~moved, row_dim, False, DIM_BLOCK)
 
 
 @triton.jit
@@ -556,6 +591,10 @@ FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
 # training step.
 EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS, EVICT_PROGRAMS = 4, 8, 1, 128
 PLACE_PROGRAMS = 32
+# columns of find_or_insert_values' rows the claim moves at a time: wider blocks take more
+# registers (phase 0: 64 columns 72, 128 columns 117; H100, dim 128, λ 0.5, 2^30 keys/s:
+# 32 columns 1.10, 64 1.14, 128 1.09; phase 1 alone at 32 columns: 1.11)
+CLAIM_DIM_BLOCK = 64
 
 
 def resident_grid(blocks: int, device: torch.device, per_multiprocessor: int) -> tuple[int]:
@@ -600,7 +639,7 @@ def probe(
 def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
-    refuse: torch.Tensor | None = None,
+    refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0,
 ):
     """Fast find_or_insert on the tables of `desc` (_claim_kernel): found rows get their
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
@@ -608,11 +647,13 @@ def claim(
     row. Found and inserted rows are marked used by this call: none of its keys evicts
     them. table_scores: `scores` are per table; counts: (T, 5) counters (see
     _claim_kernel); count: as probe's; refuse: a device flag, if set nothing is done
-    (slots unset), so that a caller can check a batch without waiting before the claim."""
+    (slots unset), so that a caller can check a batch without waiting before the claim.
+    rows: a contiguous (N, d) buffer of find_or_insert_values (one table whose rows are
+    row_stride apart): new keys' first d values are stored from it, the other keys' come
+    back in it; victims' rows are overwritten."""
     n = keys.numel()
-    call = new_call()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
-    flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)  # inserted, evicted; flags[1, n]: some key waits
+    flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)  # see _claim_kernel
     victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
     if n:
         if count is None:
@@ -620,15 +661,23 @@ def claim(
         else:
             first = resident_grid(triton.cdiv(n, PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
             second = resident_grid(triton.cdiv(n, EVICT_BLOCK), keys.device, EVICT_PROGRAMS)
-        for phase, grid, block, warps in ((0, first, PLACE_BLOCK, PLACE_WARPS), (1, second, EVICT_BLOCK, EVICT_WARPS)):
-            _claim_kernel[grid](
-                keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags[0],
-                victims[0], victims[1], flags[1], call, counts if counts is not None else keys,
-                refuse if refuse is not None else keys, flags[1, n:], BUCKET=bucket_size, BLOCK=block, MULTI=tids is not None,
-                TABLE_SCORES=table_scores, COUNT=counts is not None, ALIGN=min(bucket_size, 16), PHASE=phase,
-                COUNTED=count is not None, REFUSE=refuse is not None, num_warps=warps,
-            )
-    return slots, flags[0, :n], flags[1, :n], victims[0], victims[1]
+        d = rows.shape[1] if rows is not None else 0
+        # the host's time to issue the first launch is time the device waits: one set of
+        # arguments, no tensor views made before it
+        args = (
+            keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags, victims,
+            new_call(), counts if counts is not None else keys, refuse if refuse is not None else keys,
+            rows if rows is not None else keys, d, row_stride,
+        )
+        constants = dict(
+            BUCKET=bucket_size, MULTI=tids is not None, TABLE_SCORES=table_scores, COUNT=counts is not None,
+            ALIGN=min(bucket_size, 16), COUNTED=count is not None, REFUSE=refuse is not None, ROWS=rows is not None,
+            DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))),
+        )
+        _claim_kernel[first](*args, BLOCK=PLACE_BLOCK, PHASE=0, num_warps=PLACE_WARPS, **constants)
+        _claim_kernel[second](*args, BLOCK=EVICT_BLOCK, PHASE=1, num_warps=EVICT_WARPS, **constants)
+    inserted, evicted = flags[:, :n].view(torch.bool).unbind(0)
+    return slots, inserted, evicted, *victims.unbind(0)
 
 
 def copy_rows(
@@ -705,16 +754,14 @@ class TritonHashTable(ReferenceHashTable):
         then not refused but never stored (slot -1), as in a collection's lookup."""
         if self.deterministic:
             return super().find_or_insert(keys, scores, return_evicted)
-        keys = self._check_keys(keys, reserved_ok=True).contiguous()
-        self.placements += 1
-        scores = scores.to(self.device, torch.int64).contiguous()
-        lost = Evicted.empty(self.row_dim, self.dtype, self.device)
+        keys, scores = self._claim_input(keys, scores)
         if keys.numel() == 0:
-            return keys.clone(), keys.bool(), lost
-        mode = self.insert_mode
-        if not return_evicted and mode != GROW:
+            return keys.clone(), keys.bool(), Evicted.empty(self.row_dim, self.dtype, self.device)
+        if self._without_waiting(return_evicted):
             slots, inserted, _, _, _ = claim(self._descriptor, keys, scores, self.bucket_size)
-            return slots, inserted.bool(), lost
+            return slots, inserted, Evicted.empty(self.row_dim, self.dtype, self.device)
+        mode = self.insert_mode
+        lost = Evicted.empty(self.row_dim, self.dtype, self.device)
         # the reserved key is refused: the claim does nothing when the batch holds it, and
         # the flag is read at the call's one wait for the GPU
         refused = (keys == EMPTY_KEY).any()
@@ -729,11 +776,32 @@ class TritonHashTable(ReferenceHashTable):
             if bool((slots == -2).any()) or self.size() > self.max_load_factor * self.capacity:
                 self._grow()  # moves every row: look the whole batch up again
                 again, inserted_again, lost = self.find_or_insert(keys, scores, return_evicted)
-                return again, inserted.bool() | inserted_again, lost
+                return again, inserted | inserted_again, lost
         if mode == EVICT and n_lost:
             v = torch.nonzero_static(evicted, size=n_lost).squeeze(1)
             lost = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])  # rows not yet overwritten
-        return slots, inserted.bool(), lost
+        return slots, inserted, lost
+
+    def _claim_input(self, keys: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.placements += 1
+        return self._check_keys(keys, reserved_ok=True).contiguous(), scores.to(self.device, torch.int64).contiguous()
+
+    def _without_waiting(self, return_evicted: bool) -> bool:
+        """Whether a fast insert needs no wait for the GPU: at max capacity (no growth),
+        no victims returned."""
+        return not (self.deterministic or return_evicted) and self.insert_mode != GROW
+
+    def find_or_insert_values(self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, return_evicted: bool = True):
+        """As the reference's. Without waiting, rows move inside the claim, with device
+        rows (a claim writing rows to host memory would write partial lines)."""
+        if not self._without_waiting(return_evicted) or self.host_rows:
+            return super().find_or_insert_values(keys, scores, values, return_evicted)
+        keys, scores = self._claim_input(keys, scores)
+        self._check_buffer(values, keys.numel())
+        if keys.numel() == 0:
+            return keys.clone(), keys.bool(), Evicted.empty(self.row_dim, self.dtype, self.device)
+        slots, inserted, _, _, _ = claim(self._descriptor, keys, scores, self.bucket_size, rows=values, row_stride=self.row_stride)
+        return slots, inserted, Evicted.empty(self.row_dim, self.dtype, self.device)
 
     def _store_rows(self, slots, inserted, values):
         self._move_rows(slots, inserted, values, to_table=True)
@@ -741,9 +809,12 @@ class TritonHashTable(ReferenceHashTable):
     def _load_rows(self, slots, values):
         self._move_rows(slots, slots, values, to_table=False)
 
-    def _move_rows(self, slots, mask, values, to_table: bool):
-        if values.dtype != self.dtype or not values.is_contiguous() or values.shape != (slots.numel(), self.row_dim):
+    def _check_buffer(self, values: torch.Tensor, n: int) -> None:
+        if values.dtype != self.dtype or not values.is_contiguous() or values.shape != (n, self.row_dim):
             raise ValueError("values must be a contiguous (N, row_dim) tensor of the table's dtype")
+
+    def _move_rows(self, slots, mask, values, to_table: bool):
+        self._check_buffer(values, slots.numel())
         if to_table:
             copy_rows(values, None, self.values, torch.where(mask.bool(), slots, MISSING), self.row_dim, self.host_rows)
         else:
@@ -752,8 +823,10 @@ class TritonHashTable(ReferenceHashTable):
     def insert_or_assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, return_evicted: bool = True) -> Evicted:
         if self.deterministic:
             return super().insert_or_assign(keys, rows, scores, return_evicted)
+        rows = rows.to(self.device, self.dtype).contiguous()
+        self._check_buffer(rows, keys.numel())
         slots, _, evicted = self.find_or_insert(keys, scores, return_evicted)
-        self._store_rows(slots, slots >= 0, rows.to(self.device, self.dtype).contiguous())
+        copy_rows(rows, None, self.values, slots, self.row_dim, self.host_rows)  # lanes not stored (slot -1) skip
         return evicted
 
     def _new_values(self, capacity: int) -> torch.Tensor:
