@@ -592,8 +592,9 @@ FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
 EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS, EVICT_PROGRAMS = 4, 8, 1, 128
 PLACE_PROGRAMS = 32
 # columns of find_or_insert_values' rows the claim moves at a time: wider blocks take more
-# registers (phase 0: 64 columns 72, 128 columns 117; H100, dim 128, λ 0.5, 2^30 keys/s:
-# 32 columns 1.10, 64 1.14, 128 1.09; phase 1 alone at 32 columns: 1.11)
+# registers (phase 0: 64 columns 72, 128 columns 117). H100, dim 128, λ 0.5, 2^30 keys/s:
+# 32 columns 1.07, 64 1.14, 128 1.09; after the host path's trim, 64 1.17 and phase 1
+# alone at 32 columns 1.11
 CLAIM_DIM_BLOCK = 64
 
 
