@@ -194,7 +194,7 @@ def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
 
 
 @triton.jit
-def _move_rows(
+def _lane_rows(
     values_base, slot, row_stride, buf_ptr, offs, lanes, row_dim, TO_TABLE: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
     """For lanes: the first row_dim values of the table row at `slot` to row offs of buf
@@ -246,7 +246,7 @@ def _find_kernel(
         tl.store(slot_ptr + offs, slot, mask=live)
     if GATHER:
         values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(out_ptr.dtype.element_ty))
-        _move_rows(values_base, slot, row_stride, out_ptr, offs, found, out_dim, False, DIM_BLOCK)
+        _lane_rows(values_base, slot, row_stride, out_ptr, offs, found, out_dim, False, DIM_BLOCK)
 
 
 @triton.jit(do_not_specialize=["call"])
@@ -376,6 +376,8 @@ def _claim_kernel(
     whether each key was inserted, whether it evicted, and at [1, n] whether any key waits
     (phase 1 does nothing otherwise); victims (2, n): the evicted keys and their scores."""
     inserted_ptr, evicted_ptr, waits_ptr = flags_ptr, flags_ptr + n + 1, flags_ptr + 2 * n + 1
+    if ROWS:  # one table
+        values_base = _field(desc_ptr, 0, _VALUES).to(tl.pointer_type(buf_ptr.dtype.element_ty))
     victim_key_ptr, victim_score_ptr = victims_ptr, victims_ptr + n
     if COUNTED:
         n = tl.load(count_ptr)
@@ -419,7 +421,6 @@ def _claim_kernel(
             digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
             scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
             marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
-            values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(buf_ptr.dtype.element_ty))
             lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
             key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
             score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)
@@ -489,7 +490,7 @@ def _claim_kernel(
                     tl.store(digests_base + target, digest, mask=can_evict)
                     tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
                     if ROWS:  # the row is in before the lock's release: a copy of the key may read it
-                        _move_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK)
+                        _lane_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK)
                         tl.debug_barrier()  # every thread's part of the row before the release
                     slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
                     inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
@@ -501,7 +502,7 @@ def _claim_kernel(
             tl.store(slot_ptr + offs, slot, mask=live)
             if ROWS:
                 if PHASE == 0:
-                    _move_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK)
+                    _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK)
                 else:
                     moved = moved | (inserted != 0)
             if COUNT:
@@ -521,8 +522,7 @@ def _claim_kernel(
                 tl.store(victim_key_ptr + offs, victim_key, mask=mine)
                 tl.store(victim_score_ptr + offs, victim_score, mask=mine)
         if PHASE == 1 and ROWS:
-            values_base = _field(desc_ptr, 0, _VALUES).to(tl.pointer_type(buf_ptr.dtype.element_ty))
-            _move_rows(values_base, slot, row_stride, buf_ptr, offs, live & (slot >= 0) & ~moved, row_dim, False, DIM_BLOCK)
+            _lane_rows(values_base, slot, row_stride, buf_ptr, offs, live & (slot >= 0) & ~moved, row_dim, False, DIM_BLOCK)
 
 
 @triton.jit
