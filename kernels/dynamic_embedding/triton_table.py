@@ -538,12 +538,15 @@ def _release_slots_kernel(slot_ptr, n, keys_ptr, scores_ptr, digests_ptr, BLOCK:
 
 @triton.jit
 def _copy_rows_kernel(
-    src_ptr, src_slot_ptr, src_stride, dst_ptr, dst_slot_ptr, dst_stride, n, width,
-    SRC_SLOTS: tl.constexpr, DST_SLOTS: tl.constexpr, WHOLE: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    src_ptr, src_slot_ptr, src_stride, dst_ptr, dst_slot_ptr, dst_stride, n, width, marks_ptr,
+    SRC_SLOTS: tl.constexpr, DST_SLOTS: tl.constexpr, WHOLE: tl.constexpr, ELECT: tl.constexpr, BLOCK: tl.constexpr,
+    DIM_BLOCK: tl.constexpr,
 ):
     """dst[dst_slot[i]] = src[src_slot[i]][:width] for lanes whose slots are both >= 0 (a
     side without slots is addressed by lane). WHOLE: destination rows are written whole,
-    up to dst_stride, with zeros past width."""
+    up to dst_stride, with zeros past width. ELECT: of the lanes with one destination slot,
+    the first to swap its mark (marks_ptr, by slot; a claim has just set it) to -1 writes
+    the row alone: copies writing at once would leave a row of mixed columns."""
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lanes < n
     src = lanes.to(tl.int64)
@@ -553,6 +556,8 @@ def _copy_rows_kernel(
     if DST_SLOTS:
         dst = tl.load(dst_slot_ptr + lanes, mask=live, other=-1)
     live = live & (src >= 0) & (dst >= 0)
+    if ELECT:
+        live = live & (tl.atomic_xchg(marks_ptr + dst, tl.full([BLOCK], -1, tl.int32), mask=live, sem="relaxed") != -1)
     end = width
     if WHOLE:
         end = dst_stride
@@ -683,19 +688,22 @@ def claim(
 
 def copy_rows(
     src: torch.Tensor, src_slots: torch.Tensor | None, dst: torch.Tensor, dst_slots: torch.Tensor | None, width: int,
-    whole_rows: bool = False,
+    whole_rows: bool = False, marks: torch.Tensor | None = None,
 ) -> None:
     """dst[dst_slots[i], :width] = src[src_slots[i], :width] where both slots are >= 0
     (None: lane i). src and dst: 2-D with unit column stride (table storage or buffers).
     whole_rows: write each destination row up to its stride, zeros past width; for host
     memory, where a write ending inside a 64-byte line is a partial one over PCIe (rows of
-    385 floats at a 400-float stride: 15x the time of whole lines, H100)."""
+    385 floats at a 400-float stride: 15x the time of whole lines, H100). marks: a table's
+    marks, those of dst_slots set by a claim: one lane per destination slot writes (see
+    _copy_rows_kernel)."""
     n = (src_slots if src_slots is not None else dst_slots).numel()
     if n == 0:
         return
     _copy_rows_kernel[_grid(n, FIND_BLOCK)](
         src, src_slots if src_slots is not None else src, src.stride(0), dst, dst_slots if dst_slots is not None else dst,
-        dst.stride(0), n, width, SRC_SLOTS=src_slots is not None, DST_SLOTS=dst_slots is not None, WHOLE=whole_rows, BLOCK=FIND_BLOCK,
+        dst.stride(0), n, width, marks if marks is not None else dst, SRC_SLOTS=src_slots is not None,
+        DST_SLOTS=dst_slots is not None, WHOLE=whole_rows, ELECT=marks is not None, BLOCK=FIND_BLOCK,
         DIM_BLOCK=min(128, triton.next_power_of_2(dst.stride(0))), num_warps=FIND_WARPS,
     )
 
@@ -827,7 +835,8 @@ class TritonHashTable(ReferenceHashTable):
         rows = rows.to(self.device, self.dtype).contiguous()
         self._check_buffer(rows, keys.numel())
         slots, _, evicted = self.find_or_insert(keys, scores, return_evicted)
-        copy_rows(rows, None, self.values, slots, self.row_dim, self.host_rows)  # lanes not stored (slot -1) skip
+        # lanes not stored (slot -1) skip; of a duplicated key's copies one writes
+        copy_rows(rows, None, self.values, slots, self.row_dim, self.host_rows, marks=self._marks)
         return evicted
 
     def _new_values(self, capacity: int) -> torch.Tensor:
