@@ -196,9 +196,10 @@ def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
 @triton.jit
 def _lane_rows(
     values_base, slot, row_stride, buf_ptr, offs, lanes, row_dim, TO_TABLE: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     """For lanes: the first row_dim values of the table row at `slot` to row offs of buf
-    (N, row_dim), or back (TO_TABLE)."""
+    (N, row_dim), or back (TO_TABLE). CACHE: the table rows' load cache modifier."""
     row_ptr = tl.multiple_of(values_base + slot * row_stride, ROW_ALIGN)  # rows start 16-element aligned
     buf_row = buf_ptr + offs[:, None].to(tl.int64) * row_dim
     for c in range(0, row_dim, DIM_BLOCK):
@@ -207,7 +208,7 @@ def _lane_rows(
         if TO_TABLE:
             tl.store(row_ptr[:, None] + cols[None, :], tl.load(buf_row + cols[None, :], mask=m), mask=m)
         else:
-            tl.store(buf_row + cols[None, :], tl.load(row_ptr[:, None] + cols[None, :], mask=m), mask=m)
+            tl.store(buf_row + cols[None, :], tl.load(row_ptr[:, None] + cols[None, :], mask=m, cache_modifier=CACHE), mask=m)
 
 
 @triton.jit
@@ -246,7 +247,7 @@ def _find_kernel(
         tl.store(slot_ptr + offs, slot, mask=live)
     if GATHER:
         values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(out_ptr.dtype.element_ty))
-        _lane_rows(values_base, slot, row_stride, out_ptr, offs, found, out_dim, False, DIM_BLOCK)
+        _lane_rows(values_base, slot, row_stride, out_ptr, offs, found, out_dim, False, DIM_BLOCK, "")
 
 
 @triton.jit(do_not_specialize=["call"])
@@ -345,10 +346,134 @@ def _export_kernel(
         tl.store(out_values_ptr + dest[:, None] * row_dim + cols[None, :], row, mask=m)
 
 
+@triton.jit
+def _claim_keys(
+    offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr, call,
+    counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
+    COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """_claim_kernel's work on the keys at offs (lanes live): PHASE 0 for keys seen first,
+    PHASE 1 for keys that wait. Stores their slots and flags, and returns their slots and
+    whether each was inserted."""
+    if MULTI:
+        t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+    else:
+        t = 0  # one table: its fields are scalars
+    mode = _field(desc_ptr, t, _MODE) + tl.zeros(offs.shape, dtype=tl.int64)  # per key, also for one table
+    key = tl.load(query_ptr + offs, mask=live, other=0)
+    if PHASE == 0:
+        slot = tl.full(offs.shape, -1, tl.int64)
+        active = live & (key != -9223372036854775807 - 1)  # the reserved key: never found, never stored
+    else:
+        slot = tl.full(offs.shape, -3, tl.int64)
+        active = live
+    if TABLE_SCORES:
+        score = tl.load(score_ptr + t, mask=active, other=0)
+    else:
+        score = tl.load(score_ptr + offs, mask=active, other=0)
+    h = _hash(key)
+    digest = _digest(h)
+    bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
+    keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
+    digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
+    scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
+    marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
+    lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
+    key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
+    score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)
+    mark_row = tl.multiple_of(marks + bucket * BUCKET, ALIGN)
+    inserted = tl.zeros(offs.shape, dtype=tl.int8)
+    evicted = tl.zeros(offs.shape, dtype=tl.int8)
+    victim_key = tl.zeros(offs.shape, dtype=tl.int64)
+    victim_score = tl.zeros(offs.shape, dtype=tl.int64)
+    empty_key = tl.full(offs.shape, -9223372036854775807 - 1, tl.int64)
+    if PHASE == 0:
+        while tl.max(active.to(tl.int32), axis=0) > 0:
+            # without a lock: find the key (stored before, or by a copy in this launch),
+            # raise its score and mark it used by this call, before phase 1 evicts
+            # anything. Else claim the bucket's first empty slot by compare-and-swap of
+            # the key, which copies of a key all aim at; the slot is marked used (phase
+            # 1, a later launch, sees the mark: no evicting key takes the row). Reads go
+            # through L2, where this launch's writes are, so the atomics need no
+            # ordering (acquire-release ones fence every lane: 13% of this launch's
+            # time on an H100).
+            col, empty = _find_column(digests_base, key_row, bucket, key, digest, active, BUCKET, ALIGN, ".cg", "")
+            found = col < BUCKET
+            hit_slot = bucket * BUCKET + col
+            tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
+            tl.store(marks + hit_slot, tl.full(offs.shape, call, tl.int32), mask=found)
+            slot = tl.where(found, hit_slot, slot)
+            active = active & ~found
+            # a free column: its zero digest may trail its key (the swap tells)
+            has_empty = (empty < BUCKET) & (mode != 0)  # READ_ONLY tables only look up
+            claiming = active & has_empty
+            target = bucket * BUCKET + empty
+            won = claiming & False
+            if tl.max(claiming.to(tl.int32), axis=0) > 0:  # a block of found keys skips the swap
+                tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=claiming)
+                # lanes not claiming swap their own slot entry, which is stored at the end
+                old = tl.atomic_cas(
+                    tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3),
+                    tl.where(claiming, key, 0), sem="relaxed",
+                )
+                won = claiming & (old == empty_key)
+                tl.store(scores_base + target, score, mask=won)
+                tl.store(digests_base + target, digest, mask=won)
+            slot = tl.where(won, target, slot)
+            inserted = tl.where(won, 1, inserted).to(tl.int8)
+            active = active & ~won  # a lost swap reads the bucket again
+            full = active & ~has_empty
+            slot = tl.where(full, tl.where(mode == 1, -2, tl.where(mode == 2, -3, -1)), slot)
+            active = active & ~full
+    else:
+        while tl.max(active.to(tl.int32), axis=0) > 0:
+            # under the bucket's lock (a lane that misses it tries again next round)
+            got = active & (tl.atomic_cas(
+                tl.where(active, lock, slot_ptr + offs), tl.where(active, 0, -4).to(tl.int64),
+                tl.full(offs.shape, 1, tl.int64), sem="acquire",
+            ) == 0)
+            words = _digest_words(digests_base, bucket, got, BUCKET, ALIGN, ".cg", 0, 0, "")
+            col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
+            found = col < BUCKET  # a copy evicted for it first
+            hit_slot = bucket * BUCKET + col
+            tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
+            choosing = got & ~found
+            lowest, victim_col = _victim_column(score_row, mark_row, choosing, call, BUCKET)
+            can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
+            target = bucket * BUCKET + victim_col
+            old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
+            tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=can_evict)
+            tl.store(scores_base + target, score, mask=can_evict)
+            tl.store(digests_base + target, digest, mask=can_evict)
+            tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
+            if ROWS:  # the row is in before the lock's release: a copy of the key may read it
+                _lane_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK, "")
+                tl.debug_barrier()  # every thread's part of the row before the release
+            slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
+            inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
+            evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
+            victim_key = tl.where(can_evict, old_key, victim_key)
+            victim_score = tl.where(can_evict, lowest, victim_score)
+            tl.atomic_xchg(lock, tl.zeros(offs.shape, dtype=tl.int64), mask=got, sem="release")
+            active = active & ~got
+    tl.store(slot_ptr + offs, slot, mask=live)
+    if COUNT:
+        ones = tl.full(offs.shape, 1, tl.int64)
+        tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0, sem="relaxed")
+        tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0, sem="relaxed")
+        tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0, sem="relaxed")
+    tl.store(inserted_ptr + offs, inserted, mask=live)
+    if PHASE == 1:
+        tl.store(evicted_ptr + offs, evicted, mask=live)
+        tl.store(victim_key_ptr + offs, victim_key, mask=live)
+        tl.store(victim_score_ptr + offs, victim_score, mask=live)
+    return slot, inserted
+
+
 @triton.jit(do_not_specialize=["call"])
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, flags_ptr, victims_ptr, call, counts_ptr, refuse_ptr,
-    buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, BLOCK: tl.constexpr,
+    buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
     COUNTED: tl.constexpr, REFUSE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
@@ -372,157 +497,74 @@ def _claim_kernel(
     the bucket's lock, which a copy takes before it finds the key.
     Each program takes a run of consecutive blocks of BLOCK keys, its share of the batch
     (a grid smaller than the batch serves a device count, which leaves most of a grid
-    sized for the batch without work). Outputs past the slots: flags (2, n + 1) int8,
-    whether each key was inserted, whether it evicted, and at [1, n] whether any key waits
-    (phase 1 does nothing otherwise); victims (2, n): the evicted keys and their scores."""
+    sized for the batch without work). In phase 1 a program takes chunks of SPAN blocks
+    and gathers each chunk's waiting keys into full blocks: a block costs one chain of
+    trips to memory however few of its lanes wait. Outputs past the slots: flags (2, n +
+    1) int8, whether each key was inserted, whether it evicted, and at [1, n] whether any
+    key waits (phase 1 does nothing otherwise); victims (2, n): the evicted keys and their
+    scores."""
     inserted_ptr, evicted_ptr, waits_ptr = flags_ptr, flags_ptr + n + 1, flags_ptr + 2 * n + 1
+    victim_key_ptr, victim_score_ptr = victims_ptr, victims_ptr + n
+    values_base = buf_ptr
     if ROWS:  # one table
         values_base = _field(desc_ptr, 0, _VALUES).to(tl.pointer_type(buf_ptr.dtype.element_ty))
-    victim_key_ptr, victim_score_ptr = victims_ptr, victims_ptr + n
     if COUNTED:
         n = tl.load(count_ptr)
     if REFUSE:
         n = tl.where(tl.load(refuse_ptr) != 0, 0, n)
     # a store to waits_ptr from every block would queue at one address: set once is enough
     flagged = tl.load(waits_ptr) != 0
-    if PHASE == 1 and not ROWS:
-        n = tl.where(flagged, n, 0)
-    share = tl.cdiv(tl.cdiv(n, BLOCK), tl.num_programs(0))
-    first_block = tl.program_id(0) * share
-    for block in range(first_block, tl.minimum(first_block + share, tl.cdiv(n, BLOCK))):
-        offs = block * BLOCK + tl.arange(0, BLOCK)
-        live = offs < n
-        if PHASE == 0:
-            waiting = live
-        else:
-            slot = tl.load(slot_ptr + offs, mask=live, other=0)
-            waiting = live & (slot == -3)
-            moved = tl.load(inserted_ptr + offs, mask=live & ~waiting, other=0) != 0  # rows in since phase 0
-        if tl.max(waiting.to(tl.int32), axis=0) > 0:
-            if MULTI:
-                t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-            else:
-                t = 0  # one table: its fields are scalars
-            mode = _field(desc_ptr, t, _MODE) + tl.zeros([BLOCK], dtype=tl.int64)  # per key, also for one table
-            key = tl.load(query_ptr + offs, mask=live, other=0)
-            if PHASE == 0:
-                slot = tl.full([BLOCK], -1, tl.int64)
-                active = live & (key != -9223372036854775807 - 1)  # the reserved key: never found, never stored
-            else:
-                active = waiting
-            if TABLE_SCORES:
-                score = tl.load(score_ptr + t, mask=active, other=0)
-            else:
-                score = tl.load(score_ptr + offs, mask=active, other=0)
-            h = _hash(key)
-            digest = _digest(h)
-            bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
-            keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
-            digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
-            scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
-            marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
-            lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
-            key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
-            score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)
-            mark_row = tl.multiple_of(marks + bucket * BUCKET, ALIGN)
-            inserted = tl.zeros([BLOCK], dtype=tl.int8)
-            evicted = tl.zeros([BLOCK], dtype=tl.int8)
-            victim_key = tl.zeros([BLOCK], dtype=tl.int64)
-            victim_score = tl.zeros([BLOCK], dtype=tl.int64)
-            empty_key = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
-            if PHASE == 0:
-                while tl.max(active.to(tl.int32), axis=0) > 0:
-                    # without a lock: find the key (stored before, or by a copy in this launch),
-                    # raise its score and mark it used by this call, before phase 1 evicts
-                    # anything. Else claim the bucket's first empty slot by compare-and-swap of
-                    # the key, which copies of a key all aim at; the slot is marked used (phase
-                    # 1, a later launch, sees the mark: no evicting key takes the row). Reads go
-                    # through L2, where this launch's writes are, so the atomics need no
-                    # ordering (acquire-release ones fence every lane: 13% of this launch's
-                    # time on an H100).
-                    col, empty = _find_column(digests_base, key_row, bucket, key, digest, active, BUCKET, ALIGN, ".cg", "")
-                    found = col < BUCKET
-                    hit_slot = bucket * BUCKET + col
-                    tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
-                    tl.store(marks + hit_slot, tl.full([BLOCK], call, tl.int32), mask=found)
-                    slot = tl.where(found, hit_slot, slot)
-                    active = active & ~found
-                    # a free column: its zero digest may trail its key (the swap tells)
-                    has_empty = (empty < BUCKET) & (mode != 0)  # READ_ONLY tables only look up
-                    claiming = active & has_empty
-                    target = bucket * BUCKET + empty
-                    won = claiming & False
-                    if tl.max(claiming.to(tl.int32), axis=0) > 0:  # a block of found keys skips the swap
-                        tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=claiming)
-                        # lanes not claiming swap their own slot entry against a value it never holds
-                        old = tl.atomic_cas(
-                            tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3),
-                            tl.where(claiming, key, 0), sem="relaxed",
-                        )
-                        won = claiming & (old == empty_key)
-                        tl.store(scores_base + target, score, mask=won)
-                        tl.store(digests_base + target, digest, mask=won)
-                    slot = tl.where(won, target, slot)
-                    inserted = tl.where(won, 1, inserted).to(tl.int8)
-                    active = active & ~won  # a lost swap reads the bucket again
-                    full = active & ~has_empty
-                    slot = tl.where(full, tl.where(mode == 1, -2, tl.where(mode == 2, -3, -1)), slot)
-                    active = active & ~full
-            else:
-                while tl.max(active.to(tl.int32), axis=0) > 0:
-                    # under the bucket's lock (a lane that misses it tries again next round)
-                    got = active & (tl.atomic_cas(
-                        tl.where(active, lock, slot_ptr + offs), tl.where(active, 0, -4).to(tl.int64),
-                        tl.full([BLOCK], 1, tl.int64), sem="acquire",
-                    ) == 0)
-                    words = _digest_words(digests_base, bucket, got, BUCKET, ALIGN, ".cg", 0, 0, "")
-                    col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
-                    found = col < BUCKET  # a copy evicted for it first
-                    hit_slot = bucket * BUCKET + col
-                    tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
-                    choosing = got & ~found
-                    lowest, victim_col = _victim_column(score_row, mark_row, choosing, call, BUCKET)
-                    can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
-                    target = bucket * BUCKET + victim_col
-                    old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
-                    tl.store(marks + target, tl.full([BLOCK], call, tl.int32), mask=can_evict)
-                    tl.store(scores_base + target, score, mask=can_evict)
-                    tl.store(digests_base + target, digest, mask=can_evict)
-                    tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
-                    if ROWS:  # the row is in before the lock's release: a copy of the key may read it
-                        _lane_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK)
-                        tl.debug_barrier()  # every thread's part of the row before the release
-                    slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
-                    inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
-                    evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
-                    victim_key = tl.where(can_evict, old_key, victim_key)
-                    victim_score = tl.where(can_evict, lowest, victim_score)
-                    tl.atomic_xchg(lock, tl.zeros([BLOCK], dtype=tl.int64), mask=got, sem="release")
-                    active = active & ~got
-            tl.store(slot_ptr + offs, slot, mask=live)
+    if PHASE == 0:
+        share = tl.cdiv(tl.cdiv(n, BLOCK), tl.num_programs(0))
+        first_block = tl.program_id(0) * share
+        for block in range(first_block, tl.minimum(first_block + share, tl.cdiv(n, BLOCK))):
+            offs = block * BLOCK + tl.arange(0, BLOCK)
+            live = offs < n
+            offs = tl.minimum(offs, n - 1)  # (idle lanes of the last block swap a live lane's slot entry)
+            slot, inserted = _claim_keys(
+                offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr,
+                call, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES, COUNT, ALIGN, 0, ROWS, DIM_BLOCK,
+            )
             if ROWS:
-                if PHASE == 0:
-                    _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK)
-                else:
-                    moved = moved | (inserted != 0)
-            if COUNT:
-                ones = tl.full([BLOCK], 1, tl.int64)
-                tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0, sem="relaxed")
-                tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0, sem="relaxed")
-                tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0, sem="relaxed")
-            if PHASE == 0:
-                tl.store(inserted_ptr + offs, inserted, mask=live)
-                if not flagged and tl.max((slot == -3).to(tl.int32), axis=0) > 0:
-                    tl.store(waits_ptr, 1)
-                    flagged = True
-            else:
-                mine = waiting
-                tl.store(inserted_ptr + offs, inserted, mask=mine)
-                tl.store(evicted_ptr + offs, evicted, mask=mine)
-                tl.store(victim_key_ptr + offs, victim_key, mask=mine)
-                tl.store(victim_score_ptr + offs, victim_score, mask=mine)
-        if PHASE == 1 and ROWS:
-            _lane_rows(values_base, slot, row_stride, buf_ptr, offs, live & (slot >= 0) & ~moved, row_dim, False, DIM_BLOCK)
+                _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK, "")
+            if not flagged and tl.max((slot == -3).to(tl.int32), axis=0) > 0:
+                tl.store(waits_ptr, 1)
+                flagged = True
+    else:
+        if not ROWS:
+            n = tl.where(flagged, n, 0)
+        share = tl.cdiv(tl.cdiv(n, BLOCK * SPAN), tl.num_programs(0))
+        first_chunk = tl.program_id(0) * share
+        for chunk in range(first_chunk, tl.minimum(first_chunk + share, tl.cdiv(n, BLOCK * SPAN))):
+            if ROWS:  # rows of keys found in phase 0 go out (a key inserted there wrote its row)
+                for b in range(0, SPAN):
+                    offs = (chunk * SPAN + b) * BLOCK + tl.arange(0, BLOCK)
+                    slot = tl.load(slot_ptr + offs, mask=offs < n, other=-1)
+                    old = slot >= 0
+                    old = old & (tl.load(inserted_ptr + offs, mask=old, other=0) == 0)
+                    _lane_rows(values_base, slot, row_stride, buf_ptr, offs, old, row_dim, False, DIM_BLOCK, "")
+            lanes = chunk * (BLOCK * SPAN) + tl.arange(0, BLOCK * SPAN)
+            waiting = (lanes < n) & (tl.load(slot_ptr + lanes, mask=lanes < n, other=0) == -3)
+            count = tl.sum(waiting.to(tl.int32), axis=0)
+            rank = tl.cumsum(waiting.to(tl.int32), axis=0) - 1
+            for j in range(0, count, BLOCK):
+                # the lanes of waiting keys j .. j + BLOCK - 1 of the chunk
+                r = j + tl.arange(0, BLOCK)
+                pick = waiting[None, :] & (rank[None, :] == r[:, None])
+                live = r < count
+                # idle lanes take lanes of the chunk, distinct (their swaps, against -4, never write)
+                spare = tl.minimum(chunk * (BLOCK * SPAN) + tl.arange(0, BLOCK), n - 1)
+                offs = tl.where(live, tl.sum(tl.where(pick, lanes[None, :], 0), axis=1), spare)
+                slot, inserted = _claim_keys(
+                    offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr,
+                    victim_score_ptr, call, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES, COUNT, ALIGN, 1,
+                    ROWS, DIM_BLOCK,
+                )
+                if ROWS:  # a waiting key that found itself: a copy stored its row in this launch,
+                    # maybe from another multiprocessor, whose write this one's L1 may not have
+                    # (a neighbour row's line read before): the row is read through L2
+                    found = live & (slot >= 0) & (inserted == 0)
+                    _lane_rows(values_base, slot, row_stride, buf_ptr, offs, found, row_dim, False, DIM_BLOCK, ".cg")
 
 
 @triton.jit
@@ -586,11 +628,11 @@ def _grid(n: int, block: int) -> tuple[int]:
 # 1.52 / 1.19; 8/1 also leads at λ 1.0 and in the grouped training step (1.40 ms, 16/2
 # 1.43).
 FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
-# the claim's eviction phase: keys per block, blocks per program, warps. H100, λ 1.0, dim
-# 64 (find_or_insert / insert_or_assign B keys/s): 4/4/1 1.00 / 0.99, 16/4/2 0.90 / 0.90,
-# 8/4/2 0.84 / 0.93, 32/1/4 0.89 / 0.89. Fewer programs cost less when no key waits and
-# balance worse when many do; dim 128, λ 1.0 / 0.5 (find_or_insert): blocks 4 1.06 /
-# 1.21, 8 1.06 / 1.24, 16 1.04 / 1.25, 32 1.01 / 1.26. Over a device count (a
+# the claim's eviction phase: keys per block, blocks per chunk (whose waiting keys it
+# gathers into full blocks), warps. H100, λ 1.0, dim 64 (find_or_insert / insert_or_assign
+# B keys/s), before the gathering: 4/4/1 1.00 / 0.99, 16/4/2 0.90 / 0.90, 8/4/2 0.84 / 0.93,
+# 32/1/4 0.89 / 0.89. With it, dim 128, λ 1.0, find_or_insert 2^30 keys/s: 4/8 0.79 (0.76
+# without), 4/4 0.75, 4/2 0.76, 4/16 0.65, 8/4 0.73, 2/16 0.61. Over a device count (a
 # collection's lookup) its grid is EVICT_PROGRAMS per multiprocessor instead, as is the
 # first phase's (PLACE_PROGRAMS): a grid sized for the batch cost 25 us in the grouped
 # training step.
@@ -666,7 +708,7 @@ def claim(
             first, second = _grid(n, PLACE_BLOCK), _grid(n, EVICT_BLOCK * EVICT_SPAN)
         else:
             first = resident_grid(triton.cdiv(n, PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
-            second = resident_grid(triton.cdiv(n, EVICT_BLOCK), keys.device, EVICT_PROGRAMS)
+            second = resident_grid(triton.cdiv(n, EVICT_BLOCK * EVICT_SPAN), keys.device, EVICT_PROGRAMS)
         d = rows.shape[1] if rows is not None else 0
         # the host's time to issue the first launch is time the device waits: one set of
         # arguments, no tensor views made before it
@@ -680,8 +722,8 @@ def claim(
             ALIGN=min(bucket_size, 16), COUNTED=count is not None, REFUSE=refuse is not None, ROWS=rows is not None,
             DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))),
         )
-        _claim_kernel[first](*args, BLOCK=PLACE_BLOCK, PHASE=0, num_warps=PLACE_WARPS, **constants)
-        _claim_kernel[second](*args, BLOCK=EVICT_BLOCK, PHASE=1, num_warps=EVICT_WARPS, **constants)
+        _claim_kernel[first](*args, BLOCK=PLACE_BLOCK, SPAN=1, PHASE=0, num_warps=PLACE_WARPS, **constants)
+        _claim_kernel[second](*args, BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS, **constants)
     inserted, evicted = flags[:, :n].view(torch.bool).unbind(0)
     return slots, inserted, evicted, *victims.unbind(0)
 
