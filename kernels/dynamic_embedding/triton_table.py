@@ -533,9 +533,10 @@ def _claim_kernel(
     else:
         if not ROWS:
             n = tl.where(flagged, n, 0)
-        share = tl.cdiv(tl.cdiv(n, BLOCK * SPAN), tl.num_programs(0))
+        CHUNK: tl.constexpr = BLOCK * SPAN  # keys
+        share = tl.cdiv(tl.cdiv(n, CHUNK), tl.num_programs(0))
         first_chunk = tl.program_id(0) * share
-        for chunk in range(first_chunk, tl.minimum(first_chunk + share, tl.cdiv(n, BLOCK * SPAN))):
+        for chunk in range(first_chunk, tl.minimum(first_chunk + share, tl.cdiv(n, CHUNK))):
             if ROWS:  # rows of keys found in phase 0 go out (a key inserted there wrote its row)
                 for b in range(0, SPAN):
                     offs = (chunk * SPAN + b) * BLOCK + tl.arange(0, BLOCK)
@@ -543,7 +544,7 @@ def _claim_kernel(
                     old = slot >= 0
                     old = old & (tl.load(inserted_ptr + offs, mask=old, other=0) == 0)
                     _lane_rows(values_base, slot, row_stride, buf_ptr, offs, old, row_dim, False, DIM_BLOCK, "")
-            lanes = chunk * (BLOCK * SPAN) + tl.arange(0, BLOCK * SPAN)
+            lanes = chunk * CHUNK + tl.arange(0, CHUNK)
             waiting = (lanes < n) & (tl.load(slot_ptr + lanes, mask=lanes < n, other=0) == -3)
             count = tl.sum(waiting.to(tl.int32), axis=0)
             rank = tl.cumsum(waiting.to(tl.int32), axis=0) - 1
@@ -553,7 +554,7 @@ def _claim_kernel(
                 pick = waiting[None, :] & (rank[None, :] == r[:, None])
                 live = r < count
                 # idle lanes take lanes of the chunk, distinct (their swaps, against -4, never write)
-                spare = tl.minimum(chunk * (BLOCK * SPAN) + tl.arange(0, BLOCK), n - 1)
+                spare = tl.minimum(chunk * CHUNK + tl.arange(0, BLOCK), n - 1)
                 offs = tl.where(live, tl.sum(tl.where(pick, lanes[None, :], 0), axis=1), spare)
                 slot, inserted = _claim_keys(
                     offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr,
