@@ -201,7 +201,7 @@ class _Group:
         (then again): their slots and whether each was inserted."""
         slots, inserted, _, _, _ = claim(
             self._descriptors(), r.keys, self._table_scores(), self.bucket_size, r.tids, table_scores=True,
-            counts=self._counts, count=r.count,
+            counts=self._counts, count=r.count, victims=False,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:

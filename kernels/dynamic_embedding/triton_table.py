@@ -56,6 +56,8 @@ DESCRIPTOR_WORDS = tl.constexpr(8)
 # insertion modes: a key whose bucket has no empty slot is refused (slot -1) under KEEP,
 # reported as slot -2 under GROW (the caller grows the table), evicts under EVICT
 READ_ONLY, GROW, EVICT, KEEP = 0, 1, 2, 3
+# what the claim does with rows of a buffer (_claim_kernel's ROWS; 0: nothing)
+FETCH, ASSIGN = tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -351,6 +353,7 @@ def _claim_keys(
     offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr, call,
     counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
     COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    VICTIMS: tl.constexpr,
 ):
     """_claim_kernel's work on the keys at offs (lanes live): PHASE 0 for keys seen first,
     PHASE 1 for keys that wait. Stores their slots and flags, and returns their slots and
@@ -401,7 +404,8 @@ def _claim_keys(
             found = col < BUCKET
             hit_slot = bucket * BUCKET + col
             tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
-            tl.store(marks + hit_slot, tl.full(offs.shape, call, tl.int32), mask=found)
+            if ROWS != ASSIGN:  # (ASSIGN marks stored rows by swaps after the loop)
+                tl.store(marks + hit_slot, tl.full(offs.shape, call, tl.int32), mask=found)
             slot = tl.where(found, hit_slot, slot)
             active = active & ~found
             # a free column: its zero digest may trail its key (the swap tells)
@@ -410,7 +414,8 @@ def _claim_keys(
             target = bucket * BUCKET + empty
             won = claiming & False
             if tl.max(claiming.to(tl.int32), axis=0) > 0:  # a block of found keys skips the swap
-                tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=claiming)
+                if ROWS != ASSIGN:
+                    tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=claiming)
                 # lanes not claiming swap their own slot entry, which is stored at the end
                 old = tl.atomic_cas(
                     tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3),
@@ -427,12 +432,16 @@ def _claim_keys(
             active = active & ~full
     else:
         while tl.max(active.to(tl.int32), axis=0) > 0:
-            # under the bucket's lock (a lane that misses it tries again next round)
-            got = active & (tl.atomic_cas(
-                tl.where(active, lock, slot_ptr + offs), tl.where(active, 0, -4).to(tl.int64),
-                tl.full(offs.shape, 1, tl.int64), sem="acquire",
-            ) == 0)
-            words = _digest_words(digests_base, bucket, got, BUCKET, ALIGN, ".cg", 0, 0, "")
+            # under the bucket's lock (a lane that misses it tries again next round), whose
+            # word is 2 * (the last call that evicted in the bucket) + 1 while held. Only
+            # where this call evicted may a copy of the key have stored it: a key that
+            # waits found none stored in phase 0 (a copy inserted there was found, its
+            # digest being written after its key), so elsewhere it skips looking.
+            # (Lanes not active OR 0 into their own slot entry: no change.)
+            held = tl.atomic_or(tl.where(active, lock, slot_ptr + offs), tl.where(active, 1, 0).to(tl.int64), sem="acquire")
+            got = active & ((held & 1) == 0)
+            stamp = held >> 1
+            words = _digest_words(digests_base, bucket, got & (stamp == call), BUCKET, ALIGN, ".cg", 0, 0, "")
             col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
             found = col < BUCKET  # a copy evicted for it first
             hit_slot = bucket * BUCKET + col
@@ -441,7 +450,10 @@ def _claim_keys(
             lowest, victim_col = _victim_column(score_row, mark_row, choosing, call, BUCKET)
             can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
             target = bucket * BUCKET + victim_col
-            old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
+            if VICTIMS:
+                old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
+                victim_key = tl.where(can_evict, old_key, victim_key)
+                victim_score = tl.where(can_evict, lowest, victim_score)
             tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=can_evict)
             tl.store(scores_base + target, score, mask=can_evict)
             tl.store(digests_base + target, digest, mask=can_evict)
@@ -452,9 +464,7 @@ def _claim_keys(
             slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
             inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
             evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
-            victim_key = tl.where(can_evict, old_key, victim_key)
-            victim_score = tl.where(can_evict, lowest, victim_score)
-            tl.atomic_xchg(lock, tl.zeros(offs.shape, dtype=tl.int64), mask=got, sem="release")
+            tl.atomic_xchg(lock, tl.where(can_evict, call, stamp) * 2, mask=got, sem="release")
             active = active & ~got
     tl.store(slot_ptr + offs, slot, mask=live)
     if COUNT:
@@ -463,7 +473,7 @@ def _claim_keys(
         tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0, sem="relaxed")
         tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0, sem="relaxed")
     tl.store(inserted_ptr + offs, inserted, mask=live)
-    if PHASE == 1:
+    if PHASE == 1 and VICTIMS:
         tl.store(evicted_ptr + offs, evicted, mask=live)
         tl.store(victim_key_ptr + offs, victim_key, mask=live)
         tl.store(victim_score_ptr + offs, victim_score, mask=live)
@@ -475,7 +485,7 @@ def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, flags_ptr, victims_ptr, call, counts_ptr, refuse_ptr,
     buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
-    COUNTED: tl.constexpr, REFUSE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    COUNTED: tl.constexpr, REFUSE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr, VICTIMS: tl.constexpr,
 ):
     """Fast find_or_insert in two launches. PHASE 0: each key looks for itself (found: its
     score is raised to the key's and its row marked used by `call`), else takes its
@@ -489,12 +499,14 @@ def _claim_kernel(
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
     inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel.
     REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset).
-    ROWS (one table, no victims returned: their rows are overwritten): find_or_insert_values'
-    rows, buf (N, row_dim): a key inserted stores its row of buf, the others get their
-    stored row in buf. A key inserted in phase 0 writes its row there; rows go out in phase
-    1, which then runs over every key: a key found in phase 0 may be a copy of one whose
-    row is written in the same launch. A key that evicts writes its row before it releases
-    the bucket's lock, which a copy takes before it finds the key.
+    ROWS (one table, no victims returned: their rows are overwritten), with buf (N, row_dim):
+    FETCH, find_or_insert_values' rows: a key inserted stores its row of buf, the others
+    get their stored row in buf. A key inserted in phase 0 writes its row there; rows go
+    out in phase 1, which then runs over every key: a key found in phase 0 may be a copy of
+    one whose row is written in the same launch. A key that evicts writes its row before
+    it releases the bucket's lock, which a copy takes before it finds the key. ASSIGN,
+    insert_or_assign's: every key stored gets its row of buf, written by one of its copies
+    (in phase 0 the first to mark the row, in phase 1 the one that evicts).
     Each program takes a run of consecutive blocks of BLOCK keys, its share of the batch
     (a grid smaller than the batch serves a device count, which leaves most of a grid
     sized for the batch without work). In phase 1 a program takes chunks of SPAN blocks
@@ -502,11 +514,11 @@ def _claim_kernel(
     trips to memory however few of its lanes wait. Outputs past the slots: flags (2, n +
     1) int8, whether each key was inserted, whether it evicted, and at [1, n] whether any
     key waits (phase 1 does nothing otherwise); victims (2, n): the evicted keys and their
-    scores."""
+    scores. Without VICTIMS neither victims nor the evicted flags are written."""
     inserted_ptr, evicted_ptr, waits_ptr = flags_ptr, flags_ptr + n + 1, flags_ptr + 2 * n + 1
     victim_key_ptr, victim_score_ptr = victims_ptr, victims_ptr + n
     values_base = buf_ptr
-    if ROWS:  # one table
+    if ROWS != 0:  # one table
         values_base = _field(desc_ptr, 0, _VALUES).to(tl.pointer_type(buf_ptr.dtype.element_ty))
     if COUNTED:
         n = tl.load(count_ptr)
@@ -523,21 +535,28 @@ def _claim_kernel(
             offs = tl.minimum(offs, n - 1)  # (idle lanes of the last block swap a live lane's slot entry)
             slot, inserted = _claim_keys(
                 offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr,
-                call, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES, COUNT, ALIGN, 0, ROWS, DIM_BLOCK,
+                call, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES, COUNT, ALIGN, 0, ROWS, DIM_BLOCK, VICTIMS,
             )
-            if ROWS:
+            if ROWS == FETCH:
                 _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK, "")
+            if ROWS == ASSIGN:
+                # the first of a slot's lanes (copies of a key) to swap its mark to this call
+                # writes the row alone: copies writing at once could mix their columns
+                stored = slot >= 0
+                marks = _field(desc_ptr, 0, _MARKS).to(tl.pointer_type(tl.int32))
+                first = stored & (tl.atomic_xchg(marks + slot, tl.full(offs.shape, call, tl.int32), mask=stored, sem="relaxed") != call)
+                _lane_rows(values_base, slot, row_stride, buf_ptr, offs, first, row_dim, True, DIM_BLOCK, "")
             if not flagged and tl.max((slot == -3).to(tl.int32), axis=0) > 0:
                 tl.store(waits_ptr, 1)
                 flagged = True
     else:
-        if not ROWS:
+        if ROWS != FETCH:
             n = tl.where(flagged, n, 0)
         CHUNK: tl.constexpr = BLOCK * SPAN  # keys
         share = tl.cdiv(tl.cdiv(n, CHUNK), tl.num_programs(0))
         first_chunk = tl.program_id(0) * share
         for chunk in range(first_chunk, tl.minimum(first_chunk + share, tl.cdiv(n, CHUNK))):
-            if ROWS:  # rows of keys found in phase 0 go out (a key inserted there wrote its row)
+            if ROWS == FETCH:  # rows of keys found in phase 0 go out (a key inserted there wrote its row)
                 for b in range(0, SPAN):
                     offs = (chunk * SPAN + b) * BLOCK + tl.arange(0, BLOCK)
                     slot = tl.load(slot_ptr + offs, mask=offs < n, other=-1)
@@ -559,9 +578,9 @@ def _claim_kernel(
                 slot, inserted = _claim_keys(
                     offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr,
                     victim_score_ptr, call, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES, COUNT, ALIGN, 1,
-                    ROWS, DIM_BLOCK,
+                    ROWS, DIM_BLOCK, VICTIMS,
                 )
-                if ROWS:  # a waiting key that found itself: a copy stored its row in this launch,
+                if ROWS == FETCH:  # a waiting key that found itself: a copy stored its row in this launch,
                     # maybe from another multiprocessor, whose write this one's L1 may not have
                     # (a neighbour row's line read before): the row is read through L2
                     found = live & (slot >= 0) & (inserted == 0)
@@ -638,6 +657,10 @@ FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
 # first phase's (PLACE_PROGRAMS): a grid sized for the batch cost 25 us in the grouped
 # training step.
 EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS, EVICT_PROGRAMS = 4, 8, 1, 128
+# the eviction phase's register cap: left to itself the compiler takes 128, and fewer
+# programs fit a multiprocessor. H100, λ 1.0, find_or_insert / insert_or_assign 2^30 keys/s,
+# dim 128: 96 0.82 / 0.85, uncapped 0.77 / 0.85; dim 64: 0.99 / 0.96, uncapped 0.92 / 0.96
+EVICT_REGISTERS = 96
 PLACE_PROGRAMS = 32
 # columns of find_or_insert_values' rows the claim moves at a time: wider blocks take more
 # registers (phase 0: 64 columns 72, 128 columns 117). H100, dim 128, λ 0.5, 2^30 keys/s:
@@ -688,7 +711,8 @@ def probe(
 def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
-    refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0,
+    refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0, victims: bool = True,
+    assign: bool = False,
 ):
     """Fast find_or_insert on the tables of `desc` (_claim_kernel): found rows get their
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
@@ -699,11 +723,13 @@ def claim(
     (slots unset), so that a caller can check a batch without waiting before the claim.
     rows: a contiguous (N, d) buffer of find_or_insert_values (one table whose rows are
     row_stride apart): new keys' first d values are stored from it, the other keys' come
-    back in it; victims' rows are overwritten."""
+    back in it; victims' rows are overwritten. assign: rows is insert_or_assign's instead,
+    every key stored gets its row (of copies of a key, one's). victims=False: the caller drops the victims
+    (evicted, victim_keys and victim_scores come back None)."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)  # see _claim_kernel
-    victims = torch.empty(2, n, dtype=torch.int64, device=keys.device)
+    lost = torch.empty(2, n, dtype=torch.int64, device=keys.device)  # victims' keys and scores
     if n:
         if count is None:
             first, second = _grid(n, PLACE_BLOCK), _grid(n, EVICT_BLOCK * EVICT_SPAN)
@@ -714,19 +740,24 @@ def claim(
         # the host's time to issue the first launch is time the device waits: one set of
         # arguments, no tensor views made before it
         args = (
-            keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags, victims,
+            keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags, lost,
             new_call(), counts if counts is not None else keys, refuse if refuse is not None else keys,
             rows if rows is not None else keys, d, row_stride,
         )
         constants = dict(
             BUCKET=bucket_size, MULTI=tids is not None, TABLE_SCORES=table_scores, COUNT=counts is not None,
-            ALIGN=min(bucket_size, 16), COUNTED=count is not None, REFUSE=refuse is not None, ROWS=rows is not None,
-            DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))),
+            ALIGN=min(bucket_size, 16), COUNTED=count is not None, REFUSE=refuse is not None,
+            ROWS=0 if rows is None else (ASSIGN if assign else FETCH).value,
+            DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))), VICTIMS=victims,
         )
         _claim_kernel[first](*args, BLOCK=PLACE_BLOCK, SPAN=1, PHASE=0, num_warps=PLACE_WARPS, **constants)
-        _claim_kernel[second](*args, BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS, **constants)
+        _claim_kernel[second](
+            *args, BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS, maxnreg=EVICT_REGISTERS, **constants
+        )
     inserted, evicted = flags[:, :n].view(torch.bool).unbind(0)
-    return slots, inserted, evicted, *victims.unbind(0)
+    if not victims:
+        return slots, inserted, None, None, None
+    return slots, inserted, evicted, *lost.unbind(0)
 
 
 def copy_rows(
@@ -810,7 +841,7 @@ class TritonHashTable(ReferenceHashTable):
         if keys.numel() == 0:
             return keys.clone(), keys.bool(), Evicted.empty(self.row_dim, self.dtype, self.device)
         if self._without_waiting(return_evicted):
-            slots, inserted, _, _, _ = claim(self._descriptor, keys, scores, self.bucket_size)
+            slots, inserted, _, _, _ = claim(self._descriptor, keys, scores, self.bucket_size, victims=False)
             return slots, inserted, Evicted.empty(self.row_dim, self.dtype, self.device)
         mode = self.insert_mode
         lost = Evicted.empty(self.row_dim, self.dtype, self.device)
@@ -852,7 +883,9 @@ class TritonHashTable(ReferenceHashTable):
         self._check_buffer(values, keys.numel())
         if keys.numel() == 0:
             return keys.clone(), keys.bool(), Evicted.empty(self.row_dim, self.dtype, self.device)
-        slots, inserted, _, _, _ = claim(self._descriptor, keys, scores, self.bucket_size, rows=values, row_stride=self.row_stride)
+        slots, inserted, _, _, _ = claim(
+            self._descriptor, keys, scores, self.bucket_size, rows=values, row_stride=self.row_stride, victims=False
+        )
         return slots, inserted, Evicted.empty(self.row_dim, self.dtype, self.device)
 
     def _store_rows(self, slots, inserted, values):
@@ -877,6 +910,10 @@ class TritonHashTable(ReferenceHashTable):
             return super().insert_or_assign(keys, rows, scores, return_evicted)
         rows = rows.to(self.device, self.dtype).contiguous()
         self._check_buffer(rows, keys.numel())
+        if self._without_waiting(return_evicted) and not self.host_rows:  # rows move inside the claim
+            keys, scores = self._claim_input(keys, scores)
+            claim(self._descriptor, keys, scores, self.bucket_size, rows=rows, row_stride=self.row_stride, victims=False, assign=True)
+            return Evicted.empty(self.row_dim, self.dtype, self.device)
         slots, _, evicted = self.find_or_insert(keys, scores, return_evicted)
         # lanes not stored (slot -1) skip; of a duplicated key's copies one writes
         copy_rows(rows, None, self.values, slots, self.row_dim, self.host_rows, marks=self._marks)
