@@ -458,13 +458,15 @@ def _claim_keys(
             tl.store(scores_base + target, score, mask=can_evict)
             tl.store(digests_base + target, digest, mask=can_evict)
             tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
-            if ROWS:  # the row is in before the lock's release: a copy of the key may read it
+            if ROWS == FETCH:  # the row is in before the lock's release: a copy of the key may read it
                 _lane_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK, "")
                 tl.debug_barrier()  # every thread's part of the row before the release
             slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
             inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
             evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
             tl.atomic_xchg(lock, tl.where(can_evict, call, stamp) * 2, mask=got, sem="release")
+            if ROWS == ASSIGN:  # no copy reads it in this launch: the lock is held for less
+                _lane_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK, "")
             active = active & ~got
     tl.store(slot_ptr + offs, slot, mask=live)
     if COUNT:
