@@ -340,7 +340,8 @@ def test_fast_inserts_that_do_not_wait_move_rows_right(batches):
     moves its rows inside the claim, victims' rows simply overwritten), with duplicated
     keys and evictions: a stored key's row is its old row (found by
     find_or_insert_values) or one of its copies' rows, which every copy gets back; keys
-    not stored keep their input; rows of keys the call does not touch are unchanged."""
+    not stored keep their input; rows of keys the call does not touch are unchanged; no
+    key is stored twice."""
     t = TritonHashTable(row_dim=3, capacity=32 * SCALE, max_capacity=32 * SCALE, bucket_size=8, device=DEVICE, deterministic=False)
     for step, (call, n, seed) in enumerate(batches, start=1):
         keys, rows, _ = batch(n * SCALE, seed, 3, key_range=40 * SCALE)
@@ -358,6 +359,7 @@ def test_fast_inserts_that_do_not_wait_move_rows_right(batches):
             assert torch.equal(buffer[stored], t.values[slots[stored]])
             assert torch.equal(t.values[slots[inserted]], rows[inserted])
         after = stored_rows(t)
+        assert len(after) == t.size(), "a key is stored twice"
         copies: dict = {}
         for key, row in zip(keys.tolist(), map(tuple, rows.tolist())):
             copies.setdefault(key, set()).add(row)

@@ -545,6 +545,7 @@ def _claim_kernel(
                 # the first of a slot's lanes (copies of a key) to swap its mark to this call
                 # writes the row alone: copies writing at once could mix their columns
                 stored = slot >= 0
+                # (the marks' address is read here: live across the loop it takes 5 more registers)
                 marks = _field(desc_ptr, 0, _MARKS).to(tl.pointer_type(tl.int32))
                 first = stored & (tl.atomic_xchg(marks + slot, tl.full(offs.shape, call, tl.int32), mask=stored, sem="relaxed") != call)
                 _lane_rows(values_base, slot, row_stride, buf_ptr, offs, first, row_dim, True, DIM_BLOCK, "")
@@ -726,8 +727,8 @@ def claim(
     rows: a contiguous (N, d) buffer of find_or_insert_values (one table whose rows are
     row_stride apart): new keys' first d values are stored from it, the other keys' come
     back in it; victims' rows are overwritten. assign: rows is insert_or_assign's instead,
-    every key stored gets its row (of copies of a key, one's). victims=False: the caller drops the victims
-    (evicted, victim_keys and victim_scores come back None)."""
+    every key stored gets its row (of copies of a key, one's). victims=False: the caller
+    drops the victims (evicted, victim_keys and victim_scores come back None)."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)  # see _claim_kernel
