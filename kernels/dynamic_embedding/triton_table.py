@@ -877,10 +877,14 @@ class TritonHashTable(ReferenceHashTable):
         no victims returned."""
         return not (self.deterministic or return_evicted) and self.insert_mode != GROW
 
+    def _rows_in_claim(self, return_evicted: bool) -> bool:
+        """Whether a fast insert moves its rows inside the claim: without waiting, with
+        device rows (a claim writing rows to host memory would write partial lines)."""
+        return self._without_waiting(return_evicted) and not self.host_rows
+
     def find_or_insert_values(self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, return_evicted: bool = True):
-        """As the reference's. Without waiting, rows move inside the claim, with device
-        rows (a claim writing rows to host memory would write partial lines)."""
-        if not self._without_waiting(return_evicted) or self.host_rows:
+        """As the reference's; rows move inside the claim where _rows_in_claim."""
+        if not self._rows_in_claim(return_evicted):
             return super().find_or_insert_values(keys, scores, values, return_evicted)
         keys, scores = self._claim_input(keys, scores)
         self._check_buffer(values, keys.numel())
@@ -913,7 +917,7 @@ class TritonHashTable(ReferenceHashTable):
             return super().insert_or_assign(keys, rows, scores, return_evicted)
         rows = rows.to(self.device, self.dtype).contiguous()
         self._check_buffer(rows, keys.numel())
-        if self._without_waiting(return_evicted) and not self.host_rows:  # rows move inside the claim
+        if self._rows_in_claim(return_evicted):
             keys, scores = self._claim_input(keys, scores)
             claim(self._descriptor, keys, scores, self.bucket_size, rows=rows, row_stride=self.row_stride, victims=False, assign=True)
             return Evicted.empty(self.row_dim, self.dtype, self.device)
