@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..launch import launch
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .multi_table_kernels import (
     _boundaries_kernel, _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel,
@@ -176,7 +177,8 @@ class _Group:
             for m in self.members:
                 m.table.placements += 1  # the claim below inserts and evicts
             slots, inserted = self._claim(r)
-            _init_rows_kernel[(triton.cdiv(n, LANE_BLOCK),)](
+            launch(
+                _init_rows_kernel, (triton.cdiv(n, LANE_BLOCK),),
                 r.keys, r.tids, slots, inserted.view(torch.int8), n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
                 self.row_stride, BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
             )
@@ -184,11 +186,13 @@ class _Group:
             slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
         self._rows(r, slots, counted=train)
         dim_block = min(128, triton.next_power_of_2(self.dim))
-        _gather_kernel[(triton.cdiv(n, GATHER_BLOCK),)](
+        launch(
+            _gather_kernel, (triton.cdiv(n, GATHER_BLOCK),),
             r.order, r.seg, r.rows, n, self._descriptors(), out, self.dim, self.row_stride, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
             num_warps=GATHER_WARPS,
         )
-        _fresh_rows_kernel[resident_grid(triton.cdiv(n, GATHER_BLOCK), self.device, FRESH_PROGRAMS)](
+        launch(
+            _fresh_rows_kernel, resident_grid(triton.cdiv(n, GATHER_BLOCK), self.device, FRESH_PROGRAMS),
             r.order, r.seg, r.rows, r.keys, r.tids, n, r.rowless, self._seeds, self._scales, out, self.dim, BLOCK=GATHER_BLOCK,
             DIM_BLOCK=dim_block, num_warps=GATHER_WARPS,
         )
@@ -224,7 +228,8 @@ class _Group:
     def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None) -> None:
         """Sets r.rows from the segments' slots; counted (train or not): also counts the
         lookup in the members' statistics."""
-        _segment_rows_kernel[(triton.cdiv(slots.numel(), SCAN_BLOCK),)](
+        launch(
+            _segment_rows_kernel, (triton.cdiv(slots.numel(), SCAN_BLOCK),),
             r.tids, slots, r.count, r.rows, r.rowless, self._counts, self._inserting, len(self.members),
             BLOCK=SCAN_BLOCK, COUNT=counted is not None, TRAIN=bool(counted),
         )
@@ -237,17 +242,19 @@ class _Group:
         slots = triton.next_power_of_2(2 * n)  # the map at most half full
         scratch = self._cached("map", slots, lambda: torch.empty(slots, dtype=torch.int32, device=self.device)).fill_(-1)
         numbers = torch.empty(n, dtype=torch.int32, device=self.device)
-        _distinct_kernel[(triton.cdiv(n, DISTINCT_BLOCK),)](
+        launch(
+            _distinct_kernel, (triton.cdiv(n, DISTINCT_BLOCK),),
             keys, tids, n, scratch, slots - 1, numbers, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
         )
         ordered, order = torch.sort(numbers, stable=True)
         new = torch.empty(n, dtype=torch.int32, device=self.device)
-        _boundaries_kernel[grid](ordered, n, new, BLOCK=SCAN_BLOCK)
+        launch(_boundaries_kernel, grid, ordered, n, new, BLOCK=SCAN_BLOCK)
         seg = torch.cumsum(new, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
         starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(4))
         partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
         count, rowless = (torch.empty(1, dtype=torch.int32, device=self.device) for _ in range(2))
-        _segments_kernel[(triton.cdiv(n, 256),)](
+        launch(
+            _segments_kernel, (triton.cdiv(n, 256),),
             seg, order, keys, tids, n, starts, seg_keys, seg_tids, partial, count, rowless, self.dim,
             LONG=LONG_SEGMENT, BLOCK=256, DIM=triton.next_power_of_2(self.dim),
         )
@@ -276,11 +283,13 @@ class _Group:
         grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
         dim_block = triton.next_power_of_2(self.dim)
         block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
-        _long_segment_sum_kernel[(triton.cdiv(n, SUM_TILE),)](
+        launch(
+            _long_segment_sum_kernel, (triton.cdiv(n, SUM_TILE),),
             r.order, r.seg, r.starts, r.rows, n, grad_ptrs, lane_bounds, r.partial, self.dim,
             LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
         )
-        _segment_update_kernel[resident_grid(triton.cdiv(n, block), self.device, UPDATE_PROGRAMS)](
+        launch(
+            _segment_update_kernel, resident_grid(triton.cdiv(n, block), self.device, UPDATE_PROGRAMS),
             r.order, r.starts, r.rows, r.count, n, grad_ptrs, lane_bounds, r.partial, self._descriptors(), self.dim,
             self.row_stride, **optimizer_args(self.optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
             num_warps=UPDATE_WARPS,

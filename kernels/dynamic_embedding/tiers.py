@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import _initial_embedding
 from .triton_table import TritonHashTable, _grid, claim, copy_rows, probe
@@ -66,7 +67,8 @@ def swap_in(
     device.placements += 1
     seed, scale, dim = init
     if n:
-        _initial_rows_kernel[_grid(n, INIT_BLOCK)](
+        launch(
+            _initial_rows_kernel, _grid(n, INIT_BLOCK),
             keys, host_slots, slots, inserted.view(torch.int8), rows, n, seed, scale, dim, device.row_dim, BLOCK=INIT_BLOCK,
             DIM_BLOCK=min(64, triton.next_power_of_2(dim)),
         )

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from .host_memory import host_mapped
 from .hashing import EMPTY_KEY
 from .table import MISSING, Evicted, ReferenceHashTable, reserved_key_error
@@ -701,7 +702,8 @@ def probe(
     if n == 0:
         return slots
     out_dim = out.shape[1] if out is not None else 0
-    _find_kernel[_grid(n, FIND_BLOCK)](
+    launch(
+        _find_kernel, _grid(n, FIND_BLOCK),
         keys, tids if tids is not None else keys, n, count if count is not None else keys, desc,
         slots.view(torch.int8) if found_only else slots, out if out is not None else slots, out_dim, row_stride,
         BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
@@ -753,8 +755,9 @@ def claim(
             ROWS=0 if rows is None else (ASSIGN if assign else FETCH).value,
             DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))), VICTIMS=victims,
         )
-        _claim_kernel[first](*args, BLOCK=PLACE_BLOCK, SPAN=1, PHASE=0, num_warps=PLACE_WARPS, **constants)
-        _claim_kernel[second](
+        launch(_claim_kernel, first, *args, BLOCK=PLACE_BLOCK, SPAN=1, PHASE=0, num_warps=PLACE_WARPS, **constants)
+        launch(
+            _claim_kernel, second,
             *args, BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS, maxnreg=EVICT_REGISTERS, **constants
         )
     inserted, evicted = flags[:, :n].view(torch.bool).unbind(0)
@@ -777,7 +780,8 @@ def copy_rows(
     n = (src_slots if src_slots is not None else dst_slots).numel()
     if n == 0:
         return
-    _copy_rows_kernel[_grid(n, FIND_BLOCK)](
+    launch(
+        _copy_rows_kernel, _grid(n, FIND_BLOCK),
         src, src_slots if src_slots is not None else src, src.stride(0), dst, dst_slots if dst_slots is not None else dst,
         dst.stride(0), n, width, marks if marks is not None else dst, SRC_SLOTS=src_slots is not None,
         DST_SLOTS=dst_slots is not None, WHOLE=whole_rows, ELECT=marks is not None, BLOCK=FIND_BLOCK,
@@ -814,7 +818,7 @@ class TritonHashTable(ReferenceHashTable):
         self.placements += 1
         n = slots.numel()
         if n:
-            _release_slots_kernel[_grid(n, 256)](slots, n, self.keys, self.scores, self.digests, BLOCK=256)
+            launch(_release_slots_kernel, _grid(n, 256), slots, n, self.keys, self.scores, self.digests, BLOCK=256)
 
     @property
     def insert_mode(self) -> int:
@@ -986,7 +990,8 @@ class TritonHashTable(ReferenceHashTable):
         else:
             victim_keys = victim_scores = victim = slots  # not touched without EVICT
             call = 0
-        _choose_slots_kernel[_grid(M, PLACE_BLOCK)](
+        launch(
+            _choose_slots_kernel, _grid(M, PLACE_BLOCK),
             buckets.contiguous(), rank.contiguous(), scores_sorted, M, self.keys, self.digests, self.scores, self._marks, call,
             slots, victim_keys, victim_scores, victim,
             BUCKET=S, BLOCK=PLACE_BLOCK, EVICT=evicting,
@@ -994,7 +999,8 @@ class TritonHashTable(ReferenceHashTable):
         if evicting:
             v = victim.bool()
             evicted = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])
-        _write_slots_kernel[_grid(M, FIND_BLOCK)](
+        launch(
+            _write_slots_kernel, _grid(M, FIND_BLOCK),
             slots, keys_sorted, scores_sorted, M, self.keys, self.scores, self.digests, BLOCK=FIND_BLOCK
         )
         return evicted
@@ -1004,7 +1010,7 @@ class TritonHashTable(ReferenceHashTable):
         counts = torch.empty(n_blocks, dtype=torch.int64, device=self.device)
         filt = min_score is not None
         ms = int(min_score) if filt else 0
-        _count_kernel[(n_blocks,)](self.keys, self.scores, self.capacity, ms, counts, BLOCK=self.EXPORT_BLOCK, FILTER=filt)
+        launch(_count_kernel, (n_blocks,), self.keys, self.scores, self.capacity, ms, counts, BLOCK=self.EXPORT_BLOCK, FILTER=filt)
         starts = torch.cumsum(counts, 0) - counts
         total = int(counts.sum())
         keys = torch.empty(total, dtype=torch.int64, device=self.device)
@@ -1014,7 +1020,8 @@ class TritonHashTable(ReferenceHashTable):
         else:
             values = torch.empty(total, self.row_dim, dtype=self.dtype, device=self.device)
         if total:
-            _export_kernel[(n_blocks,)](
+            launch(
+                _export_kernel, (n_blocks,),
                 self.keys, self.scores, self.values, self.capacity, ms, starts, keys, values, scores, self.row_dim, self.row_stride,
                 BLOCK=self.EXPORT_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.row_dim)), FILTER=filt,
             )
