@@ -734,7 +734,8 @@ def claim(
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
     flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)  # see _claim_kernel
-    lost = torch.empty(2, n, dtype=torch.int64, device=keys.device)  # victims' keys and scores
+    # victims' keys and scores (without victims the kernel writes none: keys stand in)
+    lost = torch.empty(2, n, dtype=torch.int64, device=keys.device) if victims else keys
     if n:
         if count is None:
             first, second = _grid(n, PLACE_BLOCK), _grid(n, EVICT_BLOCK * EVICT_SPAN)
