@@ -8,7 +8,7 @@ first kernel, and a step of many short kernels waits on the host
 `launch` looks the compiled kernel up by a key of its own and hands the arguments
 straight to the compiled kernel's launcher. The key holds the constants and, per runtime
 argument, what Triton specializes on: a tensor's dtype and 16-byte alignment; an int's
-equality to 1, divisibility by 16, and 32-bit range (floats: none). The first launch of
+equality to 1, divisibility by 16, and 32- or 64-bit range (floats: none). The first launch of
 each key goes through Triton, which compiles; under the interpreter every launch does.
 Kernels launched here must not read globals that change after their first launch.
 """
@@ -30,7 +30,7 @@ def _spec(arg) -> tuple:
     if isinstance(arg, bool):
         return bool, arg
     if isinstance(arg, int):
-        return int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
+        return int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
     if isinstance(arg, float):
         return (float,)
     return type(arg), arg
