@@ -3,8 +3,7 @@
 Triton's launch binds and specializes every argument, builds a cache key and checks the
 kernel's globals on every call: a launch of the claim kernel took 64 us of host time
 (Triton 3.6, an H100 machine), 31 us here. An idle GPU waits that long for a call's
-first kernel, and a step of many short kernels waits on the host
-(benchmarks/launch_overhead.py).
+first kernel (benchmarks/launch_overhead.py).
 `launch` looks the compiled kernel up by a key of its own and hands the arguments
 straight to the compiled kernel's launcher. The key holds the constants and, per runtime
 argument, what Triton specializes on: a tensor's dtype and 16-byte alignment; an int's
