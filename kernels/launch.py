@@ -7,8 +7,9 @@ first kernel (benchmarks/launch_overhead.py).
 `launch` looks the compiled kernel up by a key of its own and hands the arguments
 straight to the compiled kernel's launcher. The key holds the constants and, per runtime
 argument, what Triton specializes on: a tensor's dtype and 16-byte alignment; an int's
-equality to 1, divisibility by 16, and 32- or 64-bit range (floats: none). The first launch of
-each key goes through Triton, which compiles; under the interpreter every launch does.
+equality to 1, divisibility by 16, and 32- or 64-bit range (floats: none). The first
+launch of each key goes through Triton, which compiles; under the interpreter every
+launch does.
 Kernels launched here must not read globals that change after their first launch.
 """
 import torch
