@@ -576,7 +576,7 @@ def _claim_kernel(
                 r = j + tl.arange(0, BLOCK)
                 pick = waiting[None, :] & (rank[None, :] == r[:, None])
                 live = r < count
-                # idle lanes take lanes of the chunk, distinct (their swaps, against -4, never write)
+                # idle lanes take lanes of the chunk (they OR 0 into that lane's slot entry: no change)
                 spare = tl.minimum(chunk * CHUNK + tl.arange(0, BLOCK), n - 1)
                 offs = tl.where(live, tl.sum(tl.where(pick, lanes[None, :], 0), axis=1), spare)
                 slot, inserted = _claim_keys(
