@@ -8,14 +8,14 @@
 Each feature keeps its own DynamicEmbedding: its own capacity, eviction, statistics and
 dumps (`tables["user"]`). Features whose tables are Triton tables in fast mode, with
 float32 rows, the lru / epoch_lru / none policy, no admission counter and no host tier,
-and that share dim, optimizer and bucket size, form a group. A group's lookup sorts
-its lanes (one id of one table each) so that copies of an id sit together, then
-launches each kernel once for all its tables over the distinct ids (lookup and claim of
-empty slots, evictions, row initialisation, counting) and once over the lanes in sorted
-order (gather, and initial embeddings of ids without a row).
-Its update sums each distinct id's gradients and runs the optimizer in one kernel. At
-max capacity none of this waits for the GPU; below it, one check per lookup decides
-whether a table must grow. Other features are served one by one by their
+and that share dim, optimizer and bucket size, form a group. A group's lookup numbers
+its lanes (one id of one table each) by distinct id, then launches each kernel once for
+all its tables over the distinct ids (lookup and claim of empty slots, evictions, row
+initialisation, counting) and once over the lanes (gather, and initial embeddings of
+ids without a row). Its update sorts the lanes by distinct id, so that the copies of an
+id sit together, then sums each distinct id's gradients and runs the optimizer in one
+kernel. At max capacity none of this waits for the GPU; below it, one check per lookup
+decides whether a table must grow. Other features are served one by one by their
 DynamicEmbedding, with the same results.
 
 A group differs from its features' own lookups in two ways: the reserved key (int64 min)
@@ -30,7 +30,7 @@ import triton
 from ..launch import launch
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .multi_table_kernels import (
-    _boundaries_kernel, _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel,
+    _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
     _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
 )
 from .triton_optimizers import optimizer_args
@@ -41,7 +41,7 @@ MAX_GROUP = 127  # tables per group (the statistics kernel loops over a group's 
 LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most skip), ids per embedding tile
 GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
 FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
-SCAN_BLOCK = 1024  # lanes per program of the elementwise kernels of the sort
+SCAN_BLOCK = 1024  # lanes or segments per program of the elementwise kernels (numbering, rows, counting)
 DISTINCT_BLOCK, DISTINCT_WARPS = 64, 2  # lanes per program of the numbering by distinct id, and its warps
 # lanes of one row beyond which the update sums them across programs. H100, Adam, ms per
 # step with 64 update programs: 4 1.45, 8 1.45, 16 1.46; with 8: 8 1.48, 16 1.51, 32
@@ -79,20 +79,18 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 @dataclass
 class _Routing:
-    """A call's lanes sorted so that copies of an id form a segment; a lookup's is kept
-    for the update of the same ids. Per-segment tensors have N entries, the first `count`
-    used."""
+    """A call's lanes numbered by segment (copies of one id of one table share one); a
+    lookup's is kept for the update of the same ids. Per-segment tensors have N entries,
+    the first `count` used."""
 
     ids: tuple  # the id tensors looked up (the update checks it gets the same ones)
-    order: torch.Tensor  # (N,) lanes in sorted order
-    seg: torch.Tensor  # (N,) int32: segment of each sorted lane
+    number: torch.Tensor  # (N,) int32: each lane's segment
     count: torch.Tensor  # (1,) int32: number of segments
-    starts: torch.Tensor  # sorted position of each segment's first lane
     keys: torch.Tensor  # each segment's id
     tids: torch.Tensor  # each segment's table
     rows: torch.Tensor  # each segment's packed row (table << SLOT_BITS | slot); < 0: no row
     rowless: torch.Tensor  # (1,) set if some segment has no row
-    partial: torch.Tensor  # gradient sums of long segments (multi_table_kernels.py), zeroed
+    flags: torch.Tensor  # (2, N + 1) int8, zeroed: the claim's
     # set by a lookup after its claim: the tables' placement counts (the update checks that
     # nothing moved since)
     placements: tuple = ()
@@ -188,12 +186,12 @@ class _Group:
         dim_block = min(128, triton.next_power_of_2(self.dim))
         launch(
             _gather_kernel, (triton.cdiv(n, GATHER_BLOCK),),
-            r.order, r.seg, r.rows, n, self._descriptors(), out, self.dim, self.row_stride, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
+            r.number, r.rows, n, self._descriptors(), out, self.dim, self.row_stride, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
             num_warps=GATHER_WARPS,
         )
         launch(
             _fresh_rows_kernel, resident_grid(triton.cdiv(n, GATHER_BLOCK), self.device, FRESH_PROGRAMS),
-            r.order, r.seg, r.rows, r.keys, r.tids, n, r.rowless, self._seeds, self._scales, out, self.dim, BLOCK=GATHER_BLOCK,
+            r.number, r.rows, r.keys, r.tids, n, r.rowless, self._seeds, self._scales, out, self.dim, BLOCK=GATHER_BLOCK,
             DIM_BLOCK=dim_block, num_warps=GATHER_WARPS,
         )
         r.placements = self._placements()
@@ -205,7 +203,7 @@ class _Group:
         (then again): their slots and whether each was inserted."""
         slots, inserted, _, _, _ = claim(
             self._descriptors(), r.keys, self._table_scores(), self.bucket_size, r.tids, table_scores=True,
-            counts=self._counts, count=r.count, victims=False,
+            counts=self._counts, count=r.count, victims=False, flags=r.flags,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:
@@ -222,6 +220,8 @@ class _Group:
             return slots, inserted
         for t in grow:
             t._grow()
+        inserted = inserted.clone()  # the retry's flags take the same buffer, zeroed
+        r.flags.zero_()
         again, inserted_again = self._claim(r)
         return again, inserted | inserted_again
 
@@ -235,30 +235,26 @@ class _Group:
         )
 
     def _route(self, ids: tuple, keys, tids) -> _Routing:
-        """Numbers the lanes by distinct (table, id) (_distinct_kernel) and sorts them by
-        number into segments, one per distinct id of a table."""
+        """Numbers the lanes by segment, one per distinct (table, id): each lane's taker,
+        the first lane with its id (_distinct_kernel), then the takers in lane order."""
         n = keys.numel()
-        grid = (triton.cdiv(n, SCAN_BLOCK),)
-        slots = triton.next_power_of_2(2 * n)  # the map at most half full
-        scratch = self._cached("map", slots, lambda: torch.empty(slots, dtype=torch.int32, device=self.device)).fill_(-1)
-        numbers = torch.empty(n, dtype=torch.int32, device=self.device)
+        size = triton.next_power_of_2(2 * n)  # the map at most half full
+        # one zeroed buffer: the map and the claim's flags
+        scratch = torch.zeros(size + triton.cdiv(2 * (n + 1), 4), dtype=torch.int32, device=self.device)
+        number, first = (torch.empty(n, dtype=torch.int32, device=self.device) for _ in range(2))
         launch(
             _distinct_kernel, (triton.cdiv(n, DISTINCT_BLOCK),),
-            keys, tids, n, scratch, slots - 1, numbers, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
+            keys, tids, n, scratch, size - 1, number, first, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
         )
-        ordered, order = torch.sort(numbers, stable=True)
-        new = torch.empty(n, dtype=torch.int32, device=self.device)
-        launch(_boundaries_kernel, grid, ordered, n, new, BLOCK=SCAN_BLOCK)
-        seg = torch.cumsum(new, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
-        starts, seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(4))
-        partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
+        ranks = torch.cumsum(first, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
+        seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(3))
         count, rowless = (torch.empty(1, dtype=torch.int32, device=self.device) for _ in range(2))
         launch(
-            _segments_kernel, (triton.cdiv(n, 256),),
-            seg, order, keys, tids, n, starts, seg_keys, seg_tids, partial, count, rowless, self.dim,
-            LONG=LONG_SEGMENT, BLOCK=256, DIM=triton.next_power_of_2(self.dim),
+            _number_kernel, (triton.cdiv(n, SCAN_BLOCK),),
+            number, ranks, keys, tids, n, seg_keys, seg_tids, count, rowless, BLOCK=SCAN_BLOCK,
         )
-        return _Routing(ids, order, seg, count, starts, seg_keys, seg_tids, rows, rowless, partial)
+        flags = scratch[size:].view(torch.int8)[: 2 * (n + 1)].view(2, n + 1)
+        return _Routing(ids, number, count, seg_keys, seg_tids, rows, rowless, flags)
 
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
@@ -275,22 +271,30 @@ class _Group:
             tids, _ = self._lanes(sizes)
             r = self._route(tuple(given), keys, tids)
             self._rows(r, probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count), counted=None)
-        n = r.order.numel()
+        n = r.number.numel()
         grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
                  else g.to(self.device, torch.float32).contiguous() for g in grads]
         _, lane_bounds = self._lanes(tuple(x.numel() for x in r.ids))
         ptrs = [g.data_ptr() for g in grads]
         grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
+        # the lanes sorted by segment (stable: a segment's gradients are summed in lane order)
+        seg, order = torch.sort(r.number, stable=True)
+        starts = torch.empty(n, dtype=torch.int64, device=self.device)
+        partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
         dim_block = triton.next_power_of_2(self.dim)
+        launch(
+            _segments_kernel, (triton.cdiv(n, 256),),
+            seg, n, starts, partial, self.dim, LONG=LONG_SEGMENT, BLOCK=256, DIM=dim_block,
+        )
         block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
         launch(
             _long_segment_sum_kernel, (triton.cdiv(n, SUM_TILE),),
-            r.order, r.seg, r.starts, r.rows, n, grad_ptrs, lane_bounds, r.partial, self.dim,
+            order, seg, starts, r.rows, n, grad_ptrs, lane_bounds, partial, self.dim,
             LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
         )
         launch(
             _segment_update_kernel, resident_grid(triton.cdiv(n, block), self.device, UPDATE_PROGRAMS),
-            r.order, r.starts, r.rows, r.count, n, grad_ptrs, lane_bounds, r.partial, self._descriptors(), self.dim,
+            order, starts, r.rows, r.count, n, grad_ptrs, lane_bounds, partial, self._descriptors(), self.dim,
             self.row_stride, **optimizer_args(self.optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
             num_warps=UPDATE_WARPS,
         )

@@ -1,10 +1,10 @@
 """Kernels of a group of tables trained together (see collection.py).
 
-A call's lanes (one id of one table each) are numbered by distinct (table, id), the
-slot it takes in a scratch hash map, and sorted by that number, so the lanes of one id
-form a segment: the tables are probed once per distinct id, and the update sums each
-segment's gradients and applies the optimizer in one pass. Also here: initial rows made
-in the kernel, the gather of rows to lanes, and per-table counting.
+A call's lanes (one id of one table each) are numbered by segment, one per distinct
+(table, id), through a scratch hash map: the tables are probed once per distinct id and
+each lane gathers its segment's row. The update sorts the lanes by segment, so that the
+lanes of one id lie together, then sums each segment's gradients and applies the
+optimizer in one pass. Also here: initial rows made in the kernel and per-table counting.
 
 Rows are addressed as packed (table << SLOT_BITS) | slot; tables through descriptors.
 """
@@ -60,112 +60,112 @@ def _init_rows_kernel(
 
 
 @triton.jit
-def _gather_kernel(order_ptr, seg_ptr, rows_ptr, n, desc_ptr, out_ptr, dim, row_stride, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr):
-    """out[order[i]] = the embedding of the row of sorted lane i's segment (rows[seg[i]]),
-    for lanes whose id has a row (_fresh_rows_kernel does the others: apart, this kernel
-    needs 48 registers instead of 72, for more programs in flight). In sorted order, the
-    lanes of an id read its row one after another."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    packed = tl.load(rows_ptr + tl.load(seg_ptr + i, mask=live, other=0), mask=live, other=-1)
+def _gather_kernel(number_ptr, rows_ptr, n, desc_ptr, out_ptr, dim, row_stride, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr):
+    """out[lane] = the embedding of the row of the lane's segment (rows[number[lane]]), for
+    lanes whose id has a row (_fresh_rows_kernel does the others: apart, this kernel needs
+    fewer registers, for more programs in flight)."""
+    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lane < n
+    packed = tl.load(rows_ptr + tl.load(number_ptr + lane, mask=live, other=0), mask=live, other=-1)
     stored = packed >= 0
-    lane = tl.load(order_ptr + i, mask=stored, other=0)
     values = _field(desc_ptr, tl.where(stored, packed >> SLOT_BITS, 0), _VALUES).to(tl.pointer_type(tl.float32))
     row = tl.multiple_of(values + (packed & SLOT_MASK) * row_stride, ROW_ALIGN)
     for c in range(0, dim, DIM_BLOCK):
         cols = c + tl.arange(0, DIM_BLOCK)
         m = stored[:, None] & (cols[None, :] < dim)
-        tl.store(out_ptr + lane[:, None] * dim + cols[None, :], tl.load(row[:, None] + cols[None, :], mask=m), mask=m)
+        tl.store(out_ptr + lane[:, None].to(tl.int64) * dim + cols[None, :], tl.load(row[:, None] + cols[None, :], mask=m), mask=m)
 
 
 @triton.jit
 def _fresh_rows_kernel(
-    order_ptr, seg_ptr, rows_ptr, seg_key_ptr, seg_tid_ptr, n, rowless_ptr, seed_ptr, scale_ptr, out_ptr, dim,
+    number_ptr, rows_ptr, seg_key_ptr, seg_tid_ptr, n, rowless_ptr, seed_ptr, scale_ptr, out_ptr, dim,
     BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
-    """out[order[i]] = the initial embedding of sorted lane i's id where its segment has no
-    row. Nothing to do unless rowless_ptr[0] is set (_segment_rows_kernel: some segment has
+    """out[lane] = the initial embedding of the lane's id where its segment has no row.
+    Nothing to do unless rowless_ptr[0] is set (_segment_rows_kernel: some segment has
     none); programs step through the blocks of lanes."""
     n = tl.where(tl.load(rowless_ptr) != 0, n, 0)  # (an `if` would retype n where n == 1 is a constant)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
-        i = block * BLOCK + tl.arange(0, BLOCK)
-        live = i < n
-        s = tl.load(seg_ptr + i, mask=live, other=0)
+        lane = block * BLOCK + tl.arange(0, BLOCK)
+        live = lane < n
+        s = tl.load(number_ptr + lane, mask=live, other=0)
         fresh = live & (tl.load(rows_ptr + s, mask=live, other=0) < 0)
         if tl.max(fresh.to(tl.int32), axis=0) > 0:
-            lane = tl.load(order_ptr + i, mask=fresh, other=0)
             key = tl.load(seg_key_ptr + s, mask=fresh, other=0)
             t = tl.load(seg_tid_ptr + s, mask=fresh, other=0)
             seed, scale = tl.load(seed_ptr + t, mask=fresh, other=0), tl.load(scale_ptr + t, mask=fresh, other=0.0)
             for c in range(0, dim, DIM_BLOCK):
                 cols = c + tl.arange(0, DIM_BLOCK)
                 m = fresh[:, None] & (cols[None, :] < dim)
-                tl.store(out_ptr + lane[:, None] * dim + cols[None, :], _initial_embedding(key, seed, scale, cols), mask=m)
+                tl.store(out_ptr + lane[:, None].to(tl.int64) * dim + cols[None, :], _initial_embedding(key, seed, scale, cols), mask=m)
 
 
 @triton.jit(do_not_specialize=["map_mask"])  # a mask of 1 would be a constant int, without .to
-def _distinct_kernel(key_ptr, tid_ptr, n, map_ptr, map_mask, number_ptr, BLOCK: tl.constexpr):
-    """number[lane]: the slot that the lane's (table, id) holds in a scratch open-addressing
-    map (map_ptr: map_mask + 1 int32 slots, -1 when empty, at most half full), which
-    stores the first lane seen with it: equal for the lanes of one id of one table, and
-    distinct otherwise. A 32-bit number sorts in half the radix passes of a 64-bit key."""
+def _distinct_kernel(key_ptr, tid_ptr, n, map_ptr, map_mask, taker_ptr, first_ptr, BLOCK: tl.constexpr):
+    """taker[lane]: the first lane seen with the lane's (table, id), the one that took its
+    slot in a scratch open-addressing map (map_ptr: map_mask + 1 int32 slots, zeroed
+    before, at most half full, that store the taker + 1); first[lane]: 1 if the lane is
+    that taker, else 0."""
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lane < n
     key = tl.load(key_ptr + lane, mask=live, other=0)
     t = tl.load(tid_ptr + lane, mask=live, other=0)
     pos = (_hash(key ^ (t.to(tl.int64) << 57)) & map_mask.to(tl.uint64)).to(tl.int64)
-    number = tl.full([BLOCK], -1, tl.int64)
+    taker = lane
     active = live
     while tl.max(active.to(tl.int32), axis=0) > 0:
         held = tl.load(map_ptr + pos, mask=active, other=0, cache_modifier=".cg")  # through L2, where the swaps are
-        empty = active & (held == -1)
+        empty = active & (held == 0)
         won = empty & False
         if tl.max(empty.to(tl.int32), axis=0) > 0:
-            # lanes not taking a slot swap their own number entry against a value it never holds
+            # lanes not taking a slot swap their own taker entry against a value it never holds
             old = tl.atomic_cas(
-                tl.where(empty, map_ptr + pos, number_ptr + lane), tl.where(empty, -1, -2), tl.where(empty, lane, 0), sem="relaxed",
+                tl.where(empty, map_ptr + pos, taker_ptr + lane), tl.where(empty, 0, -2), tl.where(empty, lane + 1, 0), sem="relaxed",
             )
-            won = empty & (old == -1)
+            won = empty & (old == 0)
             held = tl.where(empty & ~won, old, held)
         other = active & ~won
+        held = held - 1
         same = other & (tl.load(key_ptr + held, mask=other, other=0) == key) & (tl.load(tid_ptr + held, mask=other, other=-1) == t)
-        found = won | same
-        number = tl.where(found, pos, number)
-        active = active & ~found
+        taker = tl.where(same, held, taker)
+        active = active & ~(won | same)
         pos = tl.where(active, (pos + 1) & map_mask, pos)
-    tl.store(number_ptr + lane, number.to(tl.int32), mask=live)
+    tl.store(taker_ptr + lane, taker, mask=live)
+    tl.store(first_ptr + lane, (taker == lane).to(tl.int32), mask=live)
 
 
 @triton.jit
-def _boundaries_kernel(ordered_ptr, n, new_ptr, BLOCK: tl.constexpr):
-    """new[i] = 1 where sorted position i starts a segment after the first (its number
-    differs from the previous lane's), else 0."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    prev = live & (i > 0)
-    differs = tl.load(ordered_ptr + i, mask=live, other=0) != tl.load(ordered_ptr + i - 1, mask=prev, other=-1)
-    tl.store(new_ptr + i, (prev & differs).to(tl.int32), mask=live)
-
-
-@triton.jit
-def _segments_kernel(
-    seg_ptr, order_ptr, key_ptr, tid_ptr, n, starts_ptr, seg_key_ptr, seg_tid_ptr, partial_ptr, count_ptr, rowless_ptr, dim,
-    LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
+def _number_kernel(
+    number_ptr, ranks_ptr, key_ptr, tid_ptr, n, seg_key_ptr, seg_tid_ptr, count_ptr, rowless_ptr, BLOCK: tl.constexpr,
 ):
-    """For each segment s: starts[s], the sorted position of its first lane, and its id
-    and table; the partial sum of a segment of more than LONG lanes is zeroed. Also
-    count[0], the number of segments, and rowless[0] cleared (in this launch rather than
-    two more)."""
+    """Segments numbered densely, in the order of their takers (_distinct_kernel): on entry
+    number[lane] is the lane's taker and ranks the running count of takers up to each
+    lane (inclusive), on exit number[lane] is its segment. Also each segment's id and
+    table, count[0] (the number of segments) and rowless[0] cleared (_segment_rows_kernel
+    sets it)."""
+    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lane < n
+    taker = tl.load(number_ptr + lane, mask=live, other=0)
+    seg = tl.load(ranks_ptr + taker, mask=live, other=0) - 1
+    tl.store(number_ptr + lane, seg, mask=live)
+    first = live & (taker == lane)
+    tl.store(seg_key_ptr + seg, tl.load(key_ptr + lane, mask=first, other=0), mask=first)
+    tl.store(seg_tid_ptr + seg, tl.load(tid_ptr + lane, mask=first, other=0), mask=first)
+    last = lane == n - 1
+    tl.store(count_ptr + tl.zeros_like(lane), tl.load(ranks_ptr + lane, mask=last, other=0), mask=last)
+    tl.store(rowless_ptr, 0, mask=tl.program_id(0) == 0)
+
+
+@triton.jit
+def _segments_kernel(seg_ptr, n, starts_ptr, partial_ptr, dim, LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr):
+    """For lanes sorted by segment (seg: each sorted lane's): starts[s], the sorted
+    position of segment s's first lane; the partial sum of a segment of more than LONG
+    lanes is zeroed."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     seg = tl.load(seg_ptr + i, mask=live, other=0)
-    tl.store(count_ptr + tl.zeros_like(i), seg + 1, mask=i == n - 1)
-    tl.store(rowless_ptr, 0, mask=tl.program_id(0) == 0)
     first = live & (tl.load(seg_ptr + i - 1, mask=live & (i > 0), other=-1) != seg)
-    lane = tl.load(order_ptr + i, mask=first, other=0)
     tl.store(starts_ptr + seg, i, mask=first)
-    tl.store(seg_key_ptr + seg, tl.load(key_ptr + lane, mask=first, other=0), mask=first)
-    tl.store(seg_tid_ptr + seg, tl.load(tid_ptr + lane, mask=first, other=0), mask=first)
     long = first & (tl.load(seg_ptr + i + LONG, mask=first & (i + LONG < n), other=-1) == seg)
     if tl.max(long.to(tl.int32), axis=0) > 0:
         cols = tl.arange(0, DIM)

@@ -717,7 +717,7 @@ def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
     refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0, victims: bool = True,
-    assign: bool = False,
+    assign: bool = False, flags: torch.Tensor | None = None,
 ):
     """Fast find_or_insert on the tables of `desc` (_claim_kernel): found rows get their
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
@@ -730,10 +730,13 @@ def claim(
     row_stride apart): new keys' first d values are stored from it, the other keys' come
     back in it; victims' rows are overwritten. assign: rows is insert_or_assign's instead,
     every key stored gets its row (of copies of a key, one's). victims=False: the caller
-    drops the victims (evicted, victim_keys and victim_scores come back None)."""
+    drops the victims (evicted, victim_keys and victim_scores come back None). flags: a
+    zeroed (2, N + 1) int8 buffer for the kernel's flags (see _claim_kernel), which come
+    back in it; by default one is made."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.int64, device=keys.device)
-    flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)  # see _claim_kernel
+    if flags is None:
+        flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)
     # victims' keys and scores (without victims the kernel writes none: keys stand in)
     lost = torch.empty(2, n, dtype=torch.int64, device=keys.device) if victims else keys
     if n:
