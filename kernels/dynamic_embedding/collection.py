@@ -42,7 +42,9 @@ LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most sk
 GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
 FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
 SCAN_BLOCK = 1024  # lanes or segments per program of the elementwise kernels (numbering, rows, counting)
-DISTINCT_BLOCK, DISTINCT_WARPS = 64, 2  # lanes per program of the numbering by distinct id, and its warps
+# lanes per program of the numbering by distinct id, and its warps. H100, SGD step, us of
+# _distinct_kernel (profiler, two rounds): 32/1 53 52, 64/2 56 56, 16/1 64 65
+DISTINCT_BLOCK, DISTINCT_WARPS = 32, 1
 # lanes of one row beyond which the update sums them across programs. H100, Adam, ms per
 # step with 64 update programs: 4 1.45, 8 1.45, 16 1.46; with 8: 8 1.48, 16 1.51, 32
 # 1.55. 4 doubles the partial sums' memory for nothing
@@ -102,7 +104,10 @@ class _Group:
     def __init__(self, names: list[str], members: list[DynamicEmbedding]):
         self.names, self.members = names, members
         first = members[0]
-        self.device, self.dim, self.row_dim = first.device, first.dim, first.config.row_dim
+        # the storage's device, with its index ("cuda" alone compares unequal to a tensor's
+        # "cuda:0": every id tensor would take the converting path)
+        self.device = first.table.keys.device
+        self.dim, self.row_dim = first.dim, first.config.row_dim
         self.row_stride = first.table.row_stride
         self.bucket_size, self.optimizer = first.config.bucket_size, first.config.optimizer
         self._seeds = _to_device([m._init[0] for m in members], torch.int64, self.device)
@@ -153,7 +158,13 @@ class _Group:
                 return (m.epoch << 32) | (m.step & 0xFFFFFFFF)
             return m.step
         scores = [score(m) for m in self.members]
-        return self._cached("scores", tuple(scores), lambda: _to_device(scores, torch.int64, self.device))
+        # scores move together from call to call: the device keeps them less the lowest
+        # one, which is added there (an add costs the host less than a copy from it)
+        never = torch.iinfo(torch.int64).min
+        offset = min((s for s in scores if s != never), default=0)
+        base = [s if s == never else s - offset for s in scores]
+        held = self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device))
+        return held + offset if offset else held
 
     def _flat_ids(self, x: torch.Tensor) -> torch.Tensor:
         if x.device == self.device and x.dtype == torch.int64 and x.dim() == 1:
@@ -177,7 +188,7 @@ class _Group:
             slots, inserted = self._claim(r)
             launch(
                 _init_rows_kernel, (triton.cdiv(n, LANE_BLOCK),),
-                r.keys, r.tids, slots, inserted.view(torch.int8), n, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
+                r.keys, r.tids, slots, inserted.view(torch.int8), r.count, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
                 self.row_stride, BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
             )
         else:
@@ -239,21 +250,23 @@ class _Group:
         the first lane with its id (_distinct_kernel), then the takers in lane order."""
         n = keys.numel()
         size = triton.next_power_of_2(2 * n)  # the map at most half full
-        # one zeroed buffer: the map and the claim's flags
-        scratch = torch.zeros(size + triton.cdiv(2 * (n + 1), 4), dtype=torch.int32, device=self.device)
-        number, first = (torch.empty(n, dtype=torch.int32, device=self.device) for _ in range(2))
+        # one zeroed buffer for the map, the count of segments, the rowless flag and the
+        # claim's flags; one allocation for the per-lane and one for the per-segment arrays
+        # (each allocation costs the host as much as a launch's arguments)
+        scratch = torch.zeros(size + 2 + triton.cdiv(2 * (n + 1), 4), dtype=torch.int32, device=self.device)
+        count, rowless = scratch[size : size + 1], scratch[size + 1 : size + 2]
+        flags = scratch[size + 2 :].view(torch.int8)[: 2 * (n + 1)].view(2, n + 1)
+        number, first = torch.empty(2, n, dtype=torch.int32, device=self.device).unbind()
         launch(
             _distinct_kernel, (triton.cdiv(n, DISTINCT_BLOCK),),
             keys, tids, n, scratch, size - 1, number, first, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
         )
         ranks = torch.cumsum(first, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
-        seg_keys, seg_tids, rows = (torch.empty_like(keys) for _ in range(3))
-        count, rowless = (torch.empty(1, dtype=torch.int32, device=self.device) for _ in range(2))
+        seg_keys, seg_tids, rows = torch.empty(3, n, dtype=torch.int64, device=self.device).unbind()
         launch(
             _number_kernel, (triton.cdiv(n, SCAN_BLOCK),),
-            number, ranks, keys, tids, n, seg_keys, seg_tids, count, rowless, BLOCK=SCAN_BLOCK,
+            number, ranks, keys, tids, n, seg_keys, seg_tids, count, BLOCK=SCAN_BLOCK,
         )
-        flags = scratch[size:].view(torch.int8)[: 2 * (n + 1)].view(2, n + 1)
         return _Routing(ids, number, count, seg_keys, seg_tids, rows, rowless, flags)
 
     # ---- update ---------------------------------------------------------------------------

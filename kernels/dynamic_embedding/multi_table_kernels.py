@@ -30,13 +30,14 @@ def _initial_embedding(key, seed, scale, cols):
 
 @triton.jit
 def _init_rows_kernel(
-    key_ptr, tid_ptr, slot_ptr, inserted_ptr, n, desc_ptr, seed_ptr, scale_ptr, dim, row_dim, row_stride,
+    key_ptr, tid_ptr, slot_ptr, inserted_ptr, count_ptr, desc_ptr, seed_ptr, scale_ptr, dim, row_dim, row_stride,
     BLOCK: tl.constexpr, SUB: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
-    """Rows of keys this call inserted: their initial embedding, optimizer state zero. A
-    program checks BLOCK ids, then computes embeddings SUB ids at a time where one is new
-    (hashing every id of a block with a few new ones cost 100 us per grouped training
-    step on an H100)."""
+    """Rows of the segments (count_ptr[0] of them) whose ids this call inserted: their
+    initial embedding, optimizer state zero. A program checks BLOCK ids, then computes
+    embeddings SUB ids at a time where one is new (hashing every id of a block with a
+    few new ones cost 100 us per grouped training step on an H100)."""
+    n = tl.load(count_ptr)
     base = tl.program_id(0) * BLOCK
     block = base + tl.arange(0, BLOCK)
     if tl.max(tl.load(inserted_ptr + block, mask=block < n, other=0), axis=0) != 0:  # most programs have no new key
@@ -135,14 +136,11 @@ def _distinct_kernel(key_ptr, tid_ptr, n, map_ptr, map_mask, taker_ptr, first_pt
 
 
 @triton.jit
-def _number_kernel(
-    number_ptr, ranks_ptr, key_ptr, tid_ptr, n, seg_key_ptr, seg_tid_ptr, count_ptr, rowless_ptr, BLOCK: tl.constexpr,
-):
+def _number_kernel(number_ptr, ranks_ptr, key_ptr, tid_ptr, n, seg_key_ptr, seg_tid_ptr, count_ptr, BLOCK: tl.constexpr):
     """Segments numbered densely, in the order of their takers (_distinct_kernel): on entry
     number[lane] is the lane's taker and ranks the running count of takers up to each
     lane (inclusive), on exit number[lane] is its segment. Also each segment's id and
-    table, count[0] (the number of segments) and rowless[0] cleared (_segment_rows_kernel
-    sets it)."""
+    table, and count[0], the number of segments."""
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lane < n
     taker = tl.load(number_ptr + lane, mask=live, other=0)
@@ -153,7 +151,6 @@ def _number_kernel(
     tl.store(seg_tid_ptr + seg, tl.load(tid_ptr + lane, mask=first, other=0), mask=first)
     last = lane == n - 1
     tl.store(count_ptr + tl.zeros_like(lane), tl.load(ranks_ptr + lane, mask=last, other=0), mask=last)
-    tl.store(rowless_ptr, 0, mask=tl.program_id(0) == 0)
 
 
 @triton.jit
@@ -281,12 +278,13 @@ def _segment_rows_kernel(
     if tl.max((live & ~stored).to(tl.int32), axis=0) > 0:
         tl.store(rowless_ptr, 1)
     if COUNT:
-        for table in range(0, tables):
-            mine = live & (t == table)
-            lookups = tl.sum(mine.to(tl.int64), axis=0)
-            if lookups > 0:
-                hits = tl.sum((mine & stored).to(tl.int64), axis=0)
-                tl.atomic_add(counts_ptr + table * 5, lookups, sem="relaxed")
-                tl.atomic_add(counts_ptr + table * 5 + 1, hits, sem="relaxed")
-                if TRAIN:
-                    tl.atomic_add(counts_ptr + table * 5 + 3, (lookups - hits) * tl.load(inserting_ptr + table), sem="relaxed")
+        if tl.max(live.to(tl.int32), axis=0) > 0:  # (programs past the count skip the tables' loop)
+            for table in range(0, tables):
+                mine = live & (t == table)
+                lookups = tl.sum(mine.to(tl.int64), axis=0)
+                if lookups > 0:
+                    hits = tl.sum((mine & stored).to(tl.int64), axis=0)
+                    tl.atomic_add(counts_ptr + table * 5, lookups, sem="relaxed")
+                    tl.atomic_add(counts_ptr + table * 5 + 1, hits, sem="relaxed")
+                    if TRAIN:
+                        tl.atomic_add(counts_ptr + table * 5 + 3, (lookups - hits) * tl.load(inserting_ptr + table), sem="relaxed")
