@@ -53,6 +53,10 @@ LONG_SEGMENT = 8
 # tile's lanes in registers. H100, Adam, ms per step: 32/1 1.395, 16/1 1.408, 64/2 1.423,
 # 32/2 1.474 (a tile of 16 lanes over 4 warps, summed across them, took 176 us, 32/1 92)
 SUM_TILE, SUM_WARPS = 32, 1
+# programs of the sum of long segments per multiprocessor, stepping through the tiles. H100,
+# SGD step, us of the sum (profiler, two rounds): 64 112 113, 32 116 115, 16 124 125, one
+# program per tile 118 118
+SUM_PROGRAMS = 64
 # embedding values per program of the update (rows: this / dim), and its warps. H100, Adam:
 # 1024/4 1.80 ms per step, 512/2 1.84, 2048/8 1.85; loading 2, 4 or 8 lanes of a segment
 # per round instead of 1 changed nothing or lost
@@ -301,7 +305,7 @@ class _Group:
         )
         block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
         launch(
-            _long_segment_sum_kernel, (triton.cdiv(n, SUM_TILE),),
+            _long_segment_sum_kernel, resident_grid(triton.cdiv(n, SUM_TILE), self.device, SUM_PROGRAMS),
             order, seg, starts, r.rows, n, grad_ptrs, lane_bounds, partial, self.dim,
             LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
         )

@@ -193,29 +193,29 @@ def _long_segment_sum_kernel(
     order_ptr, seg_ptr, starts_ptr, rows_ptr, n, grad_ptrs_ptr, lane_start_ptr, partial_ptr, dim,
     LONG: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr,
 ):
-    """Adds the gradients of the lanes in a tile of TILE sorted positions that lie more
+    """Adds the gradients of the lanes in tiles of TILE sorted positions that lie more
     than LONG lanes into their segment to the segment's partial sum (one atomic add per
-    segment piece)."""
-    start = tl.program_id(0) * TILE
-    i = start + tl.arange(0, TILE)
-    seg = tl.load(seg_ptr + i, mask=i < n, other=-1)
-    late = (i < n) & (tl.load(seg_ptr + i - LONG, mask=(i < n) & (i >= LONG), other=-2) == seg)
-    if tl.max(late.to(tl.int32), axis=0) > 0:  # most tiles have no such lane
-        packed = tl.load(rows_ptr + seg, mask=late, other=-1)
-        late = late & (packed >= 0)
-        begin = tl.load(starts_ptr + seg, mask=late, other=0)
-        cols = tl.arange(0, DIM)
-        lane = tl.load(order_ptr + i, mask=i < n, other=0)
-        grads = _grad_rows(tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, dim)
-        g = tl.load(grads[:, None] + lane[:, None] * dim + cols[None, :], mask=late[:, None] & (cols[None, :] < dim), other=0.0)
-        # one add per segment piece in the tile: most tiles of a hot id hold one piece
-        pending = late
-        while tl.max(pending.to(tl.int32), axis=0) > 0:
-            first = tl.min(tl.where(pending, seg, n), axis=0)
-            piece = pending & (seg == first)
-            out = partial_ptr + tl.max(tl.where(piece, begin, 0), axis=0) // LONG * dim + cols
-            tl.atomic_add(out, tl.sum(tl.where(piece[:, None], g, 0.0), axis=0), mask=cols < dim, sem="relaxed")
-            pending = pending & ~piece
+    segment piece). Programs step through the tiles."""
+    for tile in range(tl.program_id(0), tl.cdiv(n, TILE), tl.num_programs(0)):
+        i = tile * TILE + tl.arange(0, TILE)
+        seg = tl.load(seg_ptr + i, mask=i < n, other=-1)
+        late = (i < n) & (tl.load(seg_ptr + i - LONG, mask=(i < n) & (i >= LONG), other=-2) == seg)
+        if tl.max(late.to(tl.int32), axis=0) > 0:  # (many tiles have no such lane)
+            packed = tl.load(rows_ptr + seg, mask=late, other=-1)
+            late = late & (packed >= 0)
+            begin = tl.load(starts_ptr + seg, mask=late, other=0)
+            cols = tl.arange(0, DIM)
+            lane = tl.load(order_ptr + i, mask=i < n, other=0)
+            grads = _grad_rows(tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, dim)
+            g = tl.load(grads[:, None] + lane[:, None] * dim + cols[None, :], mask=late[:, None] & (cols[None, :] < dim), other=0.0)
+            # one add per segment piece in the tile: most tiles of a hot id hold one piece
+            pending = late
+            while tl.max(pending.to(tl.int32), axis=0) > 0:
+                first = tl.min(tl.where(pending, seg, n), axis=0)
+                piece = pending & (seg == first)
+                out = partial_ptr + tl.max(tl.where(piece, begin, 0), axis=0) // LONG * dim + cols
+                tl.atomic_add(out, tl.sum(tl.where(piece[:, None], g, 0.0), axis=0), mask=cols < dim, sem="relaxed")
+                pending = pending & ~piece
 
 
 @triton.jit
