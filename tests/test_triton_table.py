@@ -256,6 +256,63 @@ def test_fast_mode_keeps_the_tables_promises(max_capacity, batches):
             assert set(new_reported) == set(keys[ref_inserted].tolist())
 
 
+def keys_in_bucket(bucket: int, num_buckets: int, count: int, start: int) -> torch.Tensor:
+    """The first `count` integers from `start` on that hash to `bucket`."""
+    candidates = torch.arange(start, start + 64 * count * num_buckets)
+    return candidates[bucket_of(candidates, num_buckets) == bucket][:count].to(DEVICE)
+
+
+@pytest.mark.parametrize("call", ["find_or_insert", "find_or_insert_values", "insert_or_assign"])
+@pytest.mark.parametrize("returning", [True, False])
+def test_keys_waiting_on_a_full_bucket_take_its_rows_in_turn(call, returning):
+    """At max capacity every new key of a full bucket waits for the eviction launch, where
+    one program takes the bucket's waiting keys one after the other: copies of a new key
+    share one row, rows the call uses are never taken, keys past the bucket's unused rows
+    are not stored, and the next call starts clean."""
+    t = TritonHashTable(row_dim=3, capacity=16, max_capacity=16, bucket_size=8, device=DEVICE, deterministic=False)
+    old, other = keys_in_bucket(0, 2, 8, 0), keys_in_bucket(1, 2, 8, 0)
+    t.insert_or_assign(torch.cat([old, other]), torch.zeros(16, 3, device=DEVICE), torch.zeros(16, dtype=torch.int64, device=DEVICE))
+    assert t.size() == 16
+    used = old[:2]
+    g = torch.Generator().manual_seed(0)
+    for step, distinct in ((1, 5), (2, 8)):  # 2 found keys leave 6 rows to take: 5 new keys fit, then 8 do not
+        new = keys_in_bucket(0, 2, distinct, 1000 * step)
+        keys = torch.cat([new.repeat(3), used, other])  # with found keys of the other bucket, all interleaved
+        keys = keys[torch.randperm(len(keys), generator=g).to(DEVICE)]
+        rows = torch.randn(len(keys), 3, device=DEVICE)
+        scores = torch.full_like(keys, step)
+        before = stored_rows(t)
+        if call == "insert_or_assign":
+            lost = t.insert_or_assign(keys, rows, scores, return_evicted=returning)
+            slots = t.find(keys)
+        elif call == "find_or_insert_values":
+            buffer = rows.clone()
+            slots, inserted, lost = t.find_or_insert_values(keys, scores, buffer, return_evicted=returning)
+            stored = slots >= 0
+            assert torch.equal(buffer[stored], t.values[slots[stored]]) and torch.equal(buffer[~stored], rows[~stored])
+        else:
+            slots, inserted, lost = t.find_or_insert(keys, scores, return_evicted=returning)
+        if call != "insert_or_assign":
+            assert sorted(keys[inserted].tolist()) == sorted(set(keys[inserted].tolist()))  # one copy each
+            assert set(keys[inserted].tolist()) == set(keys[slots >= 0].tolist()) - set(before)
+        stored_new = {k for k in new.tolist() if int(t.find(torch.tensor([k], device=DEVICE))) >= 0}
+        assert len(stored_new) == min(distinct, 6)
+        assert set(used.tolist()) <= set(t.export()[0].tolist())  # the call's found rows stay
+        for k in new.tolist():  # every copy of a key has its row, or none has
+            at = slots[keys == k]
+            assert bool((at == at[0]).all()) and (int(at[0]) >= 0) == (k in stored_new)
+            if k in stored_new and call == "insert_or_assign":
+                assert any(torch.equal(t.values[at[0]], r) for r in rows[keys == k])
+        assert t.size() == 16 and len(set(t.export()[0].tolist())) == 16 and set(other.tolist()) <= set(t.export()[0].tolist())
+        assert not bool(t._heads.any())  # the lists' heads are left empty for the next call
+        if returning:  # the victims: the keys gone, with their rows
+            assert set(lost.keys.tolist()) == set(before) - set(t.export()[0].tolist())
+            assert [tuple(r) for r in lost.rows.tolist()] == [before[k] for k in lost.keys.tolist()]
+        else:
+            assert lost.keys.numel() == 0
+        used = new[:2]
+
+
 @pytest.mark.parametrize("call", ["insert_or_assign", "find_or_insert_values"])
 def test_fast_inserts_return_the_rows_they_evict(call):
     """A fast insert's evicted rows are the victims' rows, read before the new keys' rows

@@ -8,7 +8,8 @@ call that used it (a row used by a call is never evicted by that call).
 Rows are padded to a multiple of ROW_ALIGN values so they start aligned.
 
 Fast mode (the default) inserts in kernels that race safely: a new key claims an empty
-slot by compare-and-swap; keys whose bucket is full evict under the bucket's lock.
+slot by compare-and-swap; keys whose bucket is full join a list per bucket, whose head
+takes them one after the other in a second launch, the bucket's only writer there.
 Deterministic mode keeps batch bookkeeping (deduplication, per-bucket ranks) in torch
 and places new keys in two launches, one that only reads (choose a slot) and one that
 only writes, so the layout is the reference's, bit for bit.
@@ -50,9 +51,10 @@ def _digest(h):
 ROW_ALIGN = tl.constexpr(16)  # elements; a row's stride in a Triton table is a multiple
 
 # A table descriptor: int64 words that let one kernel address any of several tables (the
-# tables of a collection): storage addresses, bucket mask and insertion mode
+# tables of a collection): storage addresses (HEADS: the claim's per-bucket list heads),
+# bucket mask and insertion mode
 # (kernels may only read module globals that are constexpr)
-_KEYS, _DIGESTS, _SCORES, _VALUES, _MARKS, _LOCKS, _MASK, _MODE = (tl.constexpr(i) for i in range(8))
+_KEYS, _DIGESTS, _SCORES, _VALUES, _MARKS, _HEADS, _MASK, _MODE = (tl.constexpr(i) for i in range(8))
 DESCRIPTOR_WORDS = tl.constexpr(8)
 # insertion modes: a key whose bucket has no empty slot is refused (slot -1) under KEEP,
 # reported as slot -2 under GROW (the caller grows the table), evicts under EVICT
@@ -64,6 +66,19 @@ FETCH, ASSIGN = tl.constexpr(1), tl.constexpr(2)
 @triton.jit
 def _field(desc_ptr, t, word: tl.constexpr):
     return tl.load(desc_ptr + t * DESCRIPTOR_WORDS + word)
+
+
+@triton.jit
+def _lane_bucket(offs, live, query_ptr, tid_ptr, desc_ptr, MULTI: tl.constexpr):
+    """(table, key, hash, bucket) of the keys at offs: key i is in table tid[i] (MULTI), else
+    all are in table 0, whose fields are then scalars."""
+    if MULTI:
+        t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
+    else:
+        t = 0
+    key = tl.load(query_ptr + offs, mask=live, other=0)
+    h = _hash(key)
+    return t, key, h, (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
 
 
 # A probe reads a bucket's digests as 64-bit words, 8 columns each (byte j of word w is
@@ -171,13 +186,13 @@ def _find_column(
     return col, empty
 
 
-# columns of a bucket that the eviction reads at a time (scores and marks): fewer values
-# in registers for the claim kernel's second phase
-VICTIM_CHUNK = tl.constexpr(32)
+# columns of a bucket that the eviction reads at a time: fewer values in registers for the
+# claim kernel's second phase (scores and marks; scores alone)
+VICTIM_CHUNK, SCORE_CHUNK = tl.constexpr(32), tl.constexpr(64)
 
 
 @triton.jit
-def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
+def _lowest_unused(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
     """For lanes choosing: the lowest (score, column) of the bucket among rows not used by
     `call`, as (score, column); column BUCKET if every row is used."""
     lowest = tl.full(choosing.shape, 9223372036854775807, tl.int64)
@@ -193,6 +208,32 @@ def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
         better = (at < BUCKET) & ((low < lowest) | (victim == BUCKET))  # ties keep the lower column
         victim = tl.where(better, at, victim)
         lowest = tl.where(better, low, lowest)
+    return lowest, victim
+
+
+@triton.jit
+def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
+    """_lowest_unused, reading the marks only where needed: the lowest (score, column) of
+    the whole bucket is the answer unless a row the call used holds it, which is rare (a
+    row a call uses gets the call's score, under LRU the highest). That reads 1 KB of a
+    bucket of 128 instead of 1.5 KB."""
+    lowest = tl.full(choosing.shape, 9223372036854775807, tl.int64)
+    victim = tl.full(choosing.shape, BUCKET, tl.int32)
+    for c in range(0, BUCKET, SCORE_CHUNK):
+        cols = c + tl.arange(0, SCORE_CHUNK)[None, :]
+        on = choosing[:, None] & (cols < BUCKET)
+        scores = tl.load(score_row[:, None] + cols, mask=on, other=9223372036854775807, cache_modifier=".cg")
+        low = tl.min(scores, axis=1)
+        at = tl.min(tl.where(on & (scores == low[:, None]), cols, BUCKET), axis=1)
+        better = (at < BUCKET) & ((low < lowest) | (victim == BUCKET))  # ties keep the lower column
+        victim = tl.where(better, at, victim)
+        lowest = tl.where(better, low, lowest)
+    used = choosing & (victim < BUCKET)
+    used = used & (tl.load(mark_row + victim, mask=used, other=0, cache_modifier=".cg") == call)
+    if tl.max(used.to(tl.int32), axis=0) > 0:
+        low, at = _lowest_unused(score_row, mark_row, used, call, BUCKET)
+        lowest = tl.where(used, low, lowest)
+        victim = tl.where(used, at, victim)
     return lowest, victim
 
 
@@ -229,13 +270,7 @@ def _find_kernel(
         n = tl.load(count_ptr)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
-    if MULTI:
-        t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-    else:
-        t = 0  # one table: its fields are scalars
-    key = tl.load(query_ptr + offs, mask=live, other=0)
-    h = _hash(key)
-    bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
+    t, key, h, bucket = _lane_bucket(offs, live, query_ptr, tid_ptr, desc_ptr, MULTI)
     digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
     key_row = tl.multiple_of(_field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + bucket * BUCKET, ALIGN)
     # the digests kept in L2: they are 1/8 of a key's traffic at dim 128 (H100, dim 128,
@@ -351,136 +386,161 @@ def _export_kernel(
 
 @triton.jit
 def _claim_keys(
-    offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr, call,
-    counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr,
-    COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    VICTIMS: tl.constexpr,
+    offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, BUCKET: tl.constexpr,
+    MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr,
+    call,
 ):
-    """_claim_kernel's work on the keys at offs (lanes live): PHASE 0 for keys seen first,
-    PHASE 1 for keys that wait. Stores their slots and flags, and returns their slots and
-    whether each was inserted."""
-    if MULTI:
-        t = tl.load(tid_ptr + offs, mask=live, other=0).to(tl.int64)
-    else:
-        t = 0  # one table: its fields are scalars
+    """_claim_kernel's phase 0 on the keys at offs (lanes live). Stores their slots and
+    inserted flags, and returns their slots and whether each was inserted."""
+    t, key, h, bucket = _lane_bucket(offs, live, query_ptr, tid_ptr, desc_ptr, MULTI)
     mode = _field(desc_ptr, t, _MODE) + tl.zeros(offs.shape, dtype=tl.int64)  # per key, also for one table
-    key = tl.load(query_ptr + offs, mask=live, other=0)
-    if PHASE == 0:
-        slot = tl.full(offs.shape, -1, tl.int64)
-        active = live & (key != -9223372036854775807 - 1)  # the reserved key: never found, never stored
-    else:
-        slot = tl.full(offs.shape, -3, tl.int64)
-        active = live
+    slot = tl.full(offs.shape, -1, tl.int64)
+    active = live & (key != -9223372036854775807 - 1)  # the reserved key: never found, never stored
     if TABLE_SCORES:
         score = tl.load(score_ptr + t, mask=active, other=0)
     else:
         score = tl.load(score_ptr + offs, mask=active, other=0)
-    h = _hash(key)
     digest = _digest(h)
-    bucket = (h & _field(desc_ptr, t, _MASK).to(tl.uint64)).to(tl.int64)
     keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
     digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
     scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
     marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
-    lock = _field(desc_ptr, t, _LOCKS).to(tl.pointer_type(tl.int64)) + bucket
     key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
-    score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)
-    mark_row = tl.multiple_of(marks + bucket * BUCKET, ALIGN)
     inserted = tl.zeros(offs.shape, dtype=tl.int8)
-    evicted = tl.zeros(offs.shape, dtype=tl.int8)
-    victim_key = tl.zeros(offs.shape, dtype=tl.int64)
-    victim_score = tl.zeros(offs.shape, dtype=tl.int64)
     empty_key = tl.full(offs.shape, -9223372036854775807 - 1, tl.int64)
-    if PHASE == 0:
-        while tl.max(active.to(tl.int32), axis=0) > 0:
-            # without a lock: find the key (stored before, or by a copy in this launch),
-            # raise its score and mark it used by this call, before phase 1 evicts
-            # anything. Else claim the bucket's first empty slot by compare-and-swap of
-            # the key, which copies of a key all aim at; the slot is marked used (phase
-            # 1, a later launch, sees the mark: no evicting key takes the row). Reads go
-            # through L2, where this launch's writes are, so the atomics need no
-            # ordering (acquire-release ones fence every lane: 13% of this launch's
-            # time on an H100).
-            col, empty = _find_column(digests_base, key_row, bucket, key, digest, active, BUCKET, ALIGN, ".cg", "")
-            found = col < BUCKET
-            hit_slot = bucket * BUCKET + col
-            tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
-            if ROWS != ASSIGN:  # (ASSIGN marks stored rows by swaps after the loop)
-                tl.store(marks + hit_slot, tl.full(offs.shape, call, tl.int32), mask=found)
-            slot = tl.where(found, hit_slot, slot)
-            active = active & ~found
-            # a free column: its zero digest may trail its key (the swap tells)
-            has_empty = (empty < BUCKET) & (mode != 0)  # READ_ONLY tables only look up
-            claiming = active & has_empty
-            target = bucket * BUCKET + empty
-            won = claiming & False
-            if tl.max(claiming.to(tl.int32), axis=0) > 0:  # a block of found keys skips the swap
-                if ROWS != ASSIGN:
-                    tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=claiming)
-                # lanes not claiming swap their own slot entry, which is stored at the end
-                old = tl.atomic_cas(
-                    tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3),
-                    tl.where(claiming, key, 0), sem="relaxed",
-                )
-                won = claiming & (old == empty_key)
-                tl.store(scores_base + target, score, mask=won)
-                tl.store(digests_base + target, digest, mask=won)
-            slot = tl.where(won, target, slot)
-            inserted = tl.where(won, 1, inserted).to(tl.int8)
-            active = active & ~won  # a lost swap reads the bucket again
-            full = active & ~has_empty
-            slot = tl.where(full, tl.where(mode == 1, -2, tl.where(mode == 2, -3, -1)), slot)
-            active = active & ~full
-    else:
-        while tl.max(active.to(tl.int32), axis=0) > 0:
-            # under the bucket's lock (a lane that misses it tries again next round), whose
-            # word is 2 * (the last call that evicted in the bucket) + 1 while held. Only
-            # where this call evicted may a copy of the key have stored it: a key that
-            # waits found none stored in phase 0 (a copy inserted there was found, its
-            # digest being written after its key), so elsewhere it skips looking.
-            # (Lanes not active OR 0 into their own slot entry: no change.)
-            held = tl.atomic_or(tl.where(active, lock, slot_ptr + offs), tl.where(active, 1, 0).to(tl.int64), sem="acquire")
-            got = active & ((held & 1) == 0)
-            stamp = held >> 1
-            words = _digest_words(digests_base, bucket, got & (stamp == call), BUCKET, ALIGN, ".cg", 0, 0, "")
-            col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
-            found = col < BUCKET  # a copy evicted for it first
-            hit_slot = bucket * BUCKET + col
-            tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
-            choosing = got & ~found
-            lowest, victim_col = _victim_column(score_row, mark_row, choosing, call, BUCKET)
-            can_evict = choosing & (victim_col < BUCKET) & (lowest <= score)
-            target = bucket * BUCKET + victim_col
-            if VICTIMS:
-                old_key = tl.load(keys_base + target, mask=can_evict, other=0, cache_modifier=".cg")
-                victim_key = tl.where(can_evict, old_key, victim_key)
-                victim_score = tl.where(can_evict, lowest, victim_score)
-            tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=can_evict)
-            tl.store(scores_base + target, score, mask=can_evict)
-            tl.store(digests_base + target, digest, mask=can_evict)
-            tl.atomic_xchg(keys_base + target, key, mask=can_evict)  # releases mark, score, digest with it
-            if ROWS == FETCH:  # the row is in before the lock's release: a copy of the key may read it
-                _lane_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK, "")
-                tl.debug_barrier()  # every thread's part of the row before the release
-            slot = tl.where(found, hit_slot, tl.where(can_evict, target, tl.where(got, -1, slot)))
-            inserted = tl.where(can_evict, 1, inserted).to(tl.int8)
-            evicted = tl.where(can_evict, 1, evicted).to(tl.int8)
-            tl.atomic_xchg(lock, tl.where(can_evict, call, stamp) * 2, mask=got, sem="release")
-            if ROWS == ASSIGN:  # no copy reads it in this launch: the lock is held for less
-                _lane_rows(values_base, target, row_stride, buf_ptr, offs, can_evict, row_dim, True, DIM_BLOCK, "")
-            active = active & ~got
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        # find the key (stored before, or by a copy in this launch), raise its score and
+        # mark it used by this call, before phase 1 evicts anything. Else claim the
+        # bucket's first empty slot by compare-and-swap of the key, which copies of a key
+        # all aim at; the slot is marked used (phase 1, a later launch, sees the mark: no
+        # evicting key takes the row). Reads go through L2, where this launch's writes
+        # are, so the atomics need no ordering (acquire-release ones fence every lane: 13%
+        # of this launch's time on an H100).
+        col, empty = _find_column(digests_base, key_row, bucket, key, digest, active, BUCKET, ALIGN, ".cg", "")
+        found = col < BUCKET
+        hit_slot = bucket * BUCKET + col
+        tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
+        if ROWS != ASSIGN:  # (ASSIGN marks stored rows by swaps after the loop)
+            tl.store(marks + hit_slot, tl.full(offs.shape, call, tl.int32), mask=found)
+        slot = tl.where(found, hit_slot, slot)
+        active = active & ~found
+        # a free column: its zero digest may trail its key (the swap tells)
+        has_empty = (empty < BUCKET) & (mode != 0)  # READ_ONLY tables only look up
+        claiming = active & has_empty
+        target = bucket * BUCKET + empty
+        won = claiming & False
+        if tl.max(claiming.to(tl.int32), axis=0) > 0:  # a block of found keys skips the swap
+            if ROWS != ASSIGN:
+                tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=claiming)
+            # lanes not claiming swap their own slot entry, which is stored at the end
+            old = tl.atomic_cas(
+                tl.where(claiming, keys_base + target, slot_ptr + offs), tl.where(claiming, empty_key, -3),
+                tl.where(claiming, key, 0), sem="relaxed",
+            )
+            won = claiming & (old == empty_key)
+            tl.store(scores_base + target, score, mask=won)
+            tl.store(digests_base + target, digest, mask=won)
+        slot = tl.where(won, target, slot)
+        inserted = tl.where(won, 1, inserted).to(tl.int8)
+        active = active & ~won  # a lost swap reads the bucket again
+        full = active & ~has_empty
+        slot = tl.where(full, tl.where(mode == 1, -2, tl.where(mode == 2, -3, -1)), slot)
+        active = active & ~full
+    # under EVICT (mode 2) a key of a full bucket (-3) joins the bucket's list of waiting
+    # keys, whose head (1 + its lane, 0 for none) is the bucket's word in HEADS: its slot
+    # entry becomes -3 - the head it replaced (its successor in the list). (After the loop:
+    # inside it, the swap took registers from the probe.)
+    waits = live & (slot == -3)
+    if tl.max(waits.to(tl.int32), axis=0) > 0:
+        head = _field(desc_ptr, t, _HEADS).to(tl.pointer_type(tl.int64)) + bucket
+        slot = tl.where(waits, -3 - tl.atomic_xchg(head, offs + 1, mask=waits, sem="relaxed"), slot)
     tl.store(slot_ptr + offs, slot, mask=live)
     if COUNT:
         ones = tl.full(offs.shape, 1, tl.int64)
         tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0, sem="relaxed")
         tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0, sem="relaxed")
-        tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicted != 0, sem="relaxed")
     tl.store(inserted_ptr + offs, inserted, mask=live)
-    if PHASE == 1 and VICTIMS:
-        tl.store(evicted_ptr + offs, evicted, mask=live)
-        tl.store(victim_key_ptr + offs, victim_key, mask=live)
-        tl.store(victim_score_ptr + offs, victim_score, mask=live)
     return slot, inserted
+
+
+@triton.jit
+def _evict_lists(
+    offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr,
+    counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, MULTI: tl.constexpr,
+    TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    VICTIMS: tl.constexpr, call,
+):
+    """_claim_kernel's phase 1 for the lanes at offs (live) that head their bucket's list of
+    waiting keys: each takes the keys of its list in turn, alone in the bucket (no other
+    program writes it in this launch, so nothing is locked or fenced). A key takes the
+    lowest (score, column) row not used by `call` if that score is <= its own, else is not
+    stored (-1); a copy of a key stored before it in the list finds that row instead (no
+    key of the list was in the bucket before: phase 0 found it full). Stores each key's
+    slot and flags, and empties the lists' heads."""
+    t, key, h, bucket = _lane_bucket(offs, live, query_ptr, tid_ptr, desc_ptr, MULTI)
+    keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
+    digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
+    scores_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
+    marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
+    head = _field(desc_ptr, t, _HEADS).to(tl.pointer_type(tl.int64)) + bucket
+    key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
+    score_row = tl.multiple_of(scores_base + bucket * BUCKET, ALIGN)
+    mark_row = tl.multiple_of(marks + bucket * BUCKET, ALIGN)
+    lane = offs.to(tl.int64)
+    link = tl.load(slot_ptr + lane, mask=live, other=-3)
+    # the last key the list stored and its slot: copies of a key often follow each other
+    last_key = tl.full(offs.shape, -9223372036854775807 - 1, tl.int64)
+    last_slot = tl.zeros(offs.shape, dtype=tl.int64)
+    stored = live & False
+    pending = live
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        if TABLE_SCORES:
+            score = tl.load(score_ptr + t, mask=pending, other=0)
+        else:
+            score = tl.load(score_ptr + lane, mask=pending, other=0)
+        digest = _digest(h)
+        same = pending & (key == last_key)
+        probing = pending & stored & ~same  # the list stored other keys: one may be this one
+        words = _digest_words(digests_base, bucket, probing, BUCKET, ALIGN, ".cg", 0, 0, "")
+        col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
+        found = same | (probing & (col < BUCKET))
+        hit_slot = tl.where(same, last_slot, bucket * BUCKET + col)
+        tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
+        choosing = pending & ~found
+        lowest, victim_col = _victim_column(score_row, mark_row, choosing, call, BUCKET)
+        evicting = choosing & (victim_col < BUCKET) & (lowest <= score)
+        target = bucket * BUCKET + victim_col
+        if VICTIMS:
+            old_key = tl.load(keys_base + target, mask=evicting, other=0, cache_modifier=".cg")
+            tl.store(victim_key_ptr + lane, old_key, mask=evicting)
+            tl.store(victim_score_ptr + lane, lowest, mask=evicting)
+            tl.store(evicted_ptr + lane, tl.full(offs.shape, 1, tl.int8), mask=evicting)
+        tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=evicting)
+        tl.store(scores_base + target, score, mask=evicting)
+        tl.store(digests_base + target, digest, mask=evicting)
+        tl.store(keys_base + target, key, mask=evicting)
+        if ROWS != 0:  # FETCH and ASSIGN: the key's row of buf goes in
+            _lane_rows(values_base, target, row_stride, buf_ptr, lane, evicting, row_dim, True, DIM_BLOCK, "")
+        last_key = tl.where(evicting, key, last_key)
+        last_slot = tl.where(evicting, target, last_slot)
+        stored = stored | evicting
+        tl.debug_barrier()  # marks and rows in, for the next keys' scans and copies (other threads)
+        if ROWS == FETCH:  # a copy gets its key's row (stored by this program: read through L2)
+            _lane_rows(values_base, hit_slot, row_stride, buf_ptr, lane, found, row_dim, False, DIM_BLOCK, ".cg")
+        tl.store(slot_ptr + lane, tl.where(found, hit_slot, tl.where(evicting, target, -1)), mask=pending)
+        tl.store(inserted_ptr + lane, tl.full(offs.shape, 1, tl.int8), mask=evicting)
+        if COUNT:
+            ones = tl.full(offs.shape, 1, tl.int64)
+            tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=evicting, sem="relaxed")
+            tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=evicting, sem="relaxed")
+            tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicting, sem="relaxed")
+        # the next key of the list
+        pending = pending & (link < -3)
+        lane = tl.where(pending, -4 - link, lane)
+        key = tl.load(query_ptr + lane, mask=pending, other=0)
+        link = tl.load(slot_ptr + lane, mask=pending, other=-3)
+        h = _hash(key)
+    tl.store(head, tl.zeros(offs.shape, dtype=tl.int64), mask=live)
 
 
 @triton.jit(do_not_specialize=["call"])
@@ -493,12 +553,13 @@ def _claim_kernel(
     """Fast find_or_insert in two launches. PHASE 0: each key looks for itself (found: its
     score is raised to the key's and its row marked used by `call`), else takes its
     bucket's first empty slot. A key whose bucket is full gets slot -2 under GROW (the
-    caller grows and retries), -1 under KEEP (not stored) or READ_ONLY, and waits (-3)
-    under EVICT for PHASE 1, a second launch, after every found row is marked: there a
-    waiting key takes the bucket's lock, looks for itself again, and takes the lowest
-    (score, slot) row not used by this call if that score is <= its own, else is not
-    stored (-1). A key stored here is marked used by `call` at once, so no later key of
-    the call evicts it. The reserved key is never found nor stored (-1).
+    caller grows and retries), -1 under KEEP (not stored) or READ_ONLY, and under EVICT
+    joins its bucket's list of waiting keys for PHASE 1, a second launch, after every found
+    row is marked: there the list's head (the last key to join) takes the list's keys one
+    after the other (_evict_lists): each takes the lowest (score, slot) row not used by
+    this call if that score is <= its own, else is not stored (-1). A key stored is marked
+    used by `call` at once, so no later key of the call evicts it. The reserved key is
+    never found nor stored (-1).
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
     inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel.
     REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset).
@@ -506,17 +567,18 @@ def _claim_kernel(
     FETCH, find_or_insert_values' rows: a key inserted stores its row of buf, the others
     get their stored row in buf. A key inserted in phase 0 writes its row there; rows go
     out in phase 1, which then runs over every key: a key found in phase 0 may be a copy of
-    one whose row is written in the same launch. A key that evicts writes its row before
-    it releases the bucket's lock, which a copy takes before it finds the key. ASSIGN,
-    insert_or_assign's: every key stored gets its row of buf, written by one of its copies
-    (in phase 0 the first to mark the row, in phase 1 the one that evicts).
+    one whose row is written in the same launch (a launch of its own for them measured no
+    faster: the copy is bound by bandwidth either way). There a key that evicts stores its
+    row, and a copy of it gets that row. ASSIGN, insert_or_assign's: every key
+    stored gets its row of buf, written by one of its copies (in phase 0 the first to mark
+    the row, in phase 1 the one that evicts).
     Each program takes a run of consecutive blocks of BLOCK keys, its share of the batch
     (a grid smaller than the batch serves a device count, which leaves most of a grid
     sized for the batch without work). In phase 1 a program takes chunks of SPAN blocks
-    and gathers each chunk's waiting keys into full blocks: a block costs one chain of
-    trips to memory however few of its lanes wait. Outputs past the slots: flags (2, n +
-    1) int8, whether each key was inserted, whether it evicted, and at [1, n] whether any
-    key waits (phase 1 does nothing otherwise); victims (2, n): the evicted keys and their
+    and gathers each chunk's list heads into full blocks: a block costs one chain of trips
+    to memory however few of its lanes lead. Outputs past the slots: flags (2, n + 1)
+    int8, whether each key was inserted, whether it evicted, and at [1, n] whether any key
+    waits (phase 1 does nothing otherwise); victims (2, n): the evicted keys and their
     scores. Without VICTIMS neither victims nor the evicted flags are written."""
     inserted_ptr, evicted_ptr, waits_ptr = flags_ptr, flags_ptr + n + 1, flags_ptr + 2 * n + 1
     victim_key_ptr, victim_score_ptr = victims_ptr, victims_ptr + n
@@ -537,8 +599,8 @@ def _claim_kernel(
             live = offs < n
             offs = tl.minimum(offs, n - 1)  # (idle lanes of the last block swap a live lane's slot entry)
             slot, inserted = _claim_keys(
-                offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr,
-                call, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES, COUNT, ALIGN, 0, ROWS, DIM_BLOCK, VICTIMS,
+                offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, BUCKET, MULTI,
+                TABLE_SCORES, COUNT, ALIGN, ROWS, call,
             )
             if ROWS == FETCH:
                 _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK, "")
@@ -550,7 +612,7 @@ def _claim_kernel(
                 marks = _field(desc_ptr, 0, _MARKS).to(tl.pointer_type(tl.int32))
                 first = stored & (tl.atomic_xchg(marks + slot, tl.full(offs.shape, call, tl.int32), mask=stored, sem="relaxed") != call)
                 _lane_rows(values_base, slot, row_stride, buf_ptr, offs, first, row_dim, True, DIM_BLOCK, "")
-            if not flagged and tl.max((slot == -3).to(tl.int32), axis=0) > 0:
+            if not flagged and tl.max((slot <= -3).to(tl.int32), axis=0) > 0:
                 tl.store(waits_ptr, 1)
                 flagged = True
     else:
@@ -568,27 +630,26 @@ def _claim_kernel(
                     old = old & (tl.load(inserted_ptr + offs, mask=old, other=0) == 0)
                     _lane_rows(values_base, slot, row_stride, buf_ptr, offs, old, row_dim, False, DIM_BLOCK, "")
             lanes = chunk * CHUNK + tl.arange(0, CHUNK)
-            waiting = (lanes < n) & (tl.load(slot_ptr + lanes, mask=lanes < n, other=0) == -3)
-            count = tl.sum(waiting.to(tl.int32), axis=0)
-            rank = tl.cumsum(waiting.to(tl.int32), axis=0) - 1
-            for j in range(0, count, BLOCK):
-                # the lanes of waiting keys j .. j + BLOCK - 1 of the chunk
-                r = j + tl.arange(0, BLOCK)
-                pick = waiting[None, :] & (rank[None, :] == r[:, None])
-                live = r < count
-                # idle lanes take lanes of the chunk (they OR 0 into that lane's slot entry: no change)
-                spare = tl.minimum(chunk * CHUNK + tl.arange(0, BLOCK), n - 1)
-                offs = tl.where(live, tl.sum(tl.where(pick, lanes[None, :], 0), axis=1), spare)
-                slot, inserted = _claim_keys(
-                    offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr,
-                    victim_score_ptr, call, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES, COUNT, ALIGN, 1,
-                    ROWS, DIM_BLOCK, VICTIMS,
-                )
-                if ROWS == FETCH:  # a waiting key that found itself: a copy stored its row in this launch,
-                    # maybe from another multiprocessor, whose write this one's L1 may not have
-                    # (a neighbour row's line read before): the row is read through L2
-                    found = live & (slot >= 0) & (inserted == 0)
-                    _lane_rows(values_base, slot, row_stride, buf_ptr, offs, found, row_dim, False, DIM_BLOCK, ".cg")
+            waiting = (lanes < n) & (tl.load(slot_ptr + lanes, mask=lanes < n, other=0) <= -3)
+            if tl.max(waiting.to(tl.int32), axis=0) > 0:
+                # the heads of the chunk's lists
+                t, _, _, bucket = _lane_bucket(lanes, waiting, query_ptr, tid_ptr, desc_ptr, MULTI)
+                head = tl.load(_field(desc_ptr, t, _HEADS).to(tl.pointer_type(tl.int64)) + bucket, mask=waiting, other=0)
+                leading = waiting & (head == lanes + 1)
+                count = tl.sum(leading.to(tl.int32), axis=0)
+                rank = tl.cumsum(leading.to(tl.int32), axis=0) - 1
+                for j in range(0, count, BLOCK):
+                    # the lanes of heads j .. j + BLOCK - 1 of the chunk (idle lanes take any lane of it)
+                    r = j + tl.arange(0, BLOCK)
+                    pick = leading[None, :] & (rank[None, :] == r[:, None])
+                    live = r < count
+                    spare = tl.minimum(chunk * CHUNK + tl.arange(0, BLOCK), n - 1)
+                    offs = tl.where(live, tl.sum(tl.where(pick, lanes[None, :], 0), axis=1), spare)
+                    _evict_lists(
+                        offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr,
+                        victim_score_ptr, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES,
+                        COUNT, ALIGN, ROWS, DIM_BLOCK, VICTIMS, call,
+                    )
 
 
 @triton.jit
@@ -652,19 +713,19 @@ def _grid(n: int, block: int) -> tuple[int]:
 # 1.52 / 1.19; 8/1 also leads at λ 1.0 and in the grouped training step (1.40 ms, 16/2
 # 1.43).
 FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
-# the claim's eviction phase: keys per block, blocks per chunk (whose waiting keys it
-# gathers into full blocks), warps. H100, λ 1.0, dim 64 (find_or_insert / insert_or_assign
-# B keys/s), before the gathering: 4/4/1 1.00 / 0.99, 16/4/2 0.90 / 0.90, 8/4/2 0.84 / 0.93,
-# 32/1/4 0.89 / 0.89. With it, dim 128, λ 1.0, find_or_insert 2^30 keys/s: 4/8 0.79 (0.76
-# without), 4/4 0.75, 4/2 0.76, 4/16 0.65, 8/4 0.73, 2/16 0.61. Over a device count (a
-# collection's lookup) its grid is EVICT_PROGRAMS per multiprocessor instead, as is the
-# first phase's (PLACE_PROGRAMS): a grid sized for the batch cost 25 us in the grouped
-# training step.
+# the claim's eviction phase: keys per block, blocks per chunk (whose list heads it gathers
+# into full blocks), warps. H100, λ 1.0, dim 128, kernel time of find_or_insert_values /
+# insert_or_assign's eviction launch (µs, profiler), at 96 registers: 4/8 818 / 566, 4/16
+# 1004 / 751, 4/32 1331 / 1058, 8/8 1115 / 871, 8/4 991 / 752, 2/16 940 / 676; at 80: 4/4
+# 885 / 614, 2/8 927 / 672. Over a device count (a collection's lookup) its grid is
+# EVICT_PROGRAMS per multiprocessor instead, as is the first phase's (PLACE_PROGRAMS): a
+# grid sized for the batch cost 25 us in the grouped training step.
 EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS, EVICT_PROGRAMS = 4, 8, 1, 128
-# the eviction phase's register cap: left to itself the compiler takes 128, and fewer
-# programs fit a multiprocessor. H100, λ 1.0, find_or_insert / insert_or_assign 2^30 keys/s,
-# dim 128: 96 0.82 / 0.85, uncapped 0.77 / 0.85; dim 64: 0.99 / 0.96, uncapped 0.92 / 0.96
-EVICT_REGISTERS = 96
+# the eviction phase's register cap: fewer registers, more programs resident per
+# multiprocessor, until spills cost more. Same launches as above: 64 860 / 635, 72 822 /
+# 570, 80 794 / 552, 96 818 / 566, 128 867 / 601 (dim 64, 80 against 96: 581 / 456 against
+# 600 / 464)
+EVICT_REGISTERS = 80
 PLACE_PROGRAMS = 32
 # columns of find_or_insert_values' rows the claim moves at a time: wider blocks take more
 # registers (phase 0: 64 columns 72, 128 columns 117). H100, dim 128, λ 0.5, 2^30 keys/s:
@@ -946,10 +1007,11 @@ class TritonHashTable(ReferenceHashTable):
         # padded to whole 64-bit words, which probes read (_digest_words)
         self.digests = torch.zeros(-(-self.capacity // 8) * 8, dtype=torch.uint8, device=self.device)[: self.capacity]
         self._marks = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)  # the last call that used a row
-        self._locks = torch.zeros(num_buckets, dtype=torch.int64, device=self.device)
+        # per bucket, the head of the claim's list of keys waiting to evict (zero between calls)
+        self._heads = torch.zeros(num_buckets, dtype=torch.int64, device=self.device)
         words = [0] * DESCRIPTOR_WORDS.value
         for i, t in ((_KEYS, self.keys), (_DIGESTS, self.digests), (_SCORES, self.scores), (_VALUES, self.values),
-                     (_MARKS, self._marks), (_LOCKS, self._locks)):
+                     (_MARKS, self._marks), (_HEADS, self._heads)):
             words[i.value] = t.data_ptr()
         words[_MASK.value], words[_MODE.value] = num_buckets - 1, self.insert_mode
         self._descriptor = torch.tensor(words, dtype=torch.int64, device=self.device)
