@@ -10,7 +10,9 @@ As HierarchicalKV's benchmark (benchmark/merlin_hashtable_benchmark.cc.cu): int6
 fp32 values, 1,048,576 keys per call, dim 8 / 64 / 128 with capacity 128M / 64M / 32M,
 load factor 0.5 and 1.0, bucket size 128; 60% of a call's keys are keys of the last
 insert that filled the table, 40% are absent; a call is timed on the host up to a
-stream synchronize, and throughput is keys / s / 2**30 (its "billion-KV/second").
+stream synchronize, and throughput is keys / s / 2**30 (its "billion-KV/second"). Each
+op is also timed by its GPU work alone (the profiler's sum of its kernels, "GPU only"),
+which does not move with the speed of the host that issues them.
 Per call:
 - find: returns values (fused probe + copy) and the found mask.
 - find_or_insert: through find_or_insert_values (HKV's semantics: absent keys are stored
@@ -34,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -66,6 +70,24 @@ def timed(fn, setup=None, after=None, reps: int = 30) -> float:
         if after:
             after(*args)
     kept = sorted(times[WARMUP:])
+    return kept[len(kept) // 2]
+
+
+def kernel_time(fn, setup=None, after=None, reps: int = 5) -> float:
+    """Median seconds of GPU work per fn() call: the profiler's sum of the call's kernels,
+    memsets and copies. Unlike timed(), it does not depend on how fast the host issues
+    them (lent machines' hosts differ: the same build measured 10 to 30% apart)."""
+    times = []
+    for _ in range(reps + 1):
+        args = setup() if setup else ()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            fn(*args)
+            torch.cuda.synchronize()
+        times.append(sum(e.device_time for e in p.events() if e.device_type == DeviceType.CUDA) * 1e-6)
+        if after:
+            after(*args)
+    kept = sorted(times[1:])
     return kept[len(kept) // 2]
 
 
@@ -129,32 +151,36 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
         pos = torch.searchsorted(sorted_keys, k).clamp(max=stored - 1)
         torch.index_select(table.values, 0, order[pos], out=out)
 
+    def both(fn, setup=None, after=None, reps=reps):  # (wall seconds, GPU seconds) per call
+        return timed(fn, setup, after, reps), kernel_time(fn, setup, after)
+
     results = {
-        "find": timed(find, keys, reps=reps),
-        "find_or_insert": timed(find_or_insert, refilled, forget, reps=reps),
-        "insert_or_assign": timed(insert_or_assign, keys, forget, reps=reps),
-        "find_or_insert_returning_evicted": timed(lambda k: find_or_insert(k, True), refilled, forget, reps=reps),
-        "insert_or_assign_returning_evicted": timed(lambda k: insert_or_assign(k, True), keys, forget, reps=reps),
+        "find": both(find, keys),
+        "find_or_insert": both(find_or_insert, refilled, forget),
+        "insert_or_assign": both(insert_or_assign, keys, forget),
+        "find_or_insert_returning_evicted": both(lambda k: find_or_insert(k, True), refilled, forget),
+        "insert_or_assign_returning_evicted": both(lambda k: insert_or_assign(k, True), keys, forget),
     }
     table.deterministic = True
     results |= {
-        "find_or_insert_deterministic": timed(lambda k: find_or_insert(k, True), refilled, forget, reps=reps),
-        "insert_or_assign_deterministic": timed(lambda k: insert_or_assign(k, True), keys, forget, reps=reps),
+        "find_or_insert_deterministic": both(lambda k: find_or_insert(k, True), refilled, forget),
+        "insert_or_assign_deterministic": both(lambda k: insert_or_assign(k, True), keys, forget),
     }
     table.deterministic = False
     results |= {
-        "export": timed(table.export, reps=max(3, reps // 3)),
-        "baseline_index_select": timed(lambda: torch.index_select(table.values, 0, slots, out=out), reps=reps),
-        "baseline_searchsorted": timed(searchsorted, keys, reps=reps),
+        "export": both(table.export, reps=max(3, reps // 3)),
+        "baseline_index_select": both(lambda: torch.index_select(table.values, 0, slots, out=out)),
+        "baseline_searchsorted": both(searchsorted, keys),
     }
     rows_out = []
-    for op, seconds in results.items():
+    for op, (seconds, gpu_seconds) in results.items():
         n = table.size() if op == "export" else BATCH
         hkv = HKV_H100.get((dim, op))
         rows_out.append({
             "op": op, "dim": dim, "load_factor": load_factor, "actual_load_factor": round(actual_lf, 4),
             "capacity": table.capacity, "keys": n, "hit_rate": None if op.startswith("export") or op == "baseline_index_select" else HIT_RATE,
             "seconds": seconds, "gi_keys_per_s": n / seconds / 2**30, "billion_keys_per_s": n / seconds / 1e9,
+            "gpu_seconds": gpu_seconds, "gpu_gi_keys_per_s": n / gpu_seconds / 2**30,
             "hkv_h100_gi_keys_per_s": hkv[0 if load_factor == 0.5 else 1] if hkv else None,
         })
     return rows_out
@@ -174,13 +200,17 @@ def main() -> None:
             rows += run(d, lf, args.scale, args.reps)
             torch.cuda.empty_cache()  # the finished run's table is gone: give its memory back
     print(f"\n{torch.cuda.get_device_name()}, batch {BATCH} keys, 2**30 keys/s (HierarchicalKV's unit)")
-    print(f"{'op':<36}{'dim':>5}{'λ':>6}{'λ real':>8}{'Gi keys/s':>11}{'HKV H100':>10}")
+    print(f"{'op':<36}{'dim':>5}{'λ':>6}{'λ real':>8}{'Gi keys/s':>11}{'GPU only':>10}{'HKV H100':>10}")
     for r in rows:
         hkv = f"{r['hkv_h100_gi_keys_per_s']:.2f}" if r["hkv_h100_gi_keys_per_s"] else "-"
-        print(f"{r['op']:<36}{r['dim']:>5}{r['load_factor']:>6}{r['actual_load_factor']:>8}{r['gi_keys_per_s']:>11.3f}{hkv:>10}")
+        print(
+            f"{r['op']:<36}{r['dim']:>5}{r['load_factor']:>6}{r['actual_load_factor']:>8}{r['gi_keys_per_s']:>11.3f}"
+            f"{r['gpu_gi_keys_per_s']:>10.3f}{hkv:>10}"
+        )
     write_results(
         "hash_table", rows, args.out, batch=BATCH, bucket_size=128, scale=args.scale, hit_rate=HIT_RATE,
-        timing="host clock from the call to a synchronize, median", unit="gi_keys_per_s: keys / s / 2**30, as HierarchicalKV",
+        timing="host clock from the call to a synchronize, median; gpu_*: the profiler's sum of the call's GPU work, median of 5",
+        unit="gi_keys_per_s: keys / s / 2**30, as HierarchicalKV",
     )
 
 
