@@ -192,19 +192,21 @@ VICTIM_CHUNK, SCORE_CHUNK = tl.constexpr(32), tl.constexpr(64)
 
 
 @triton.jit
-def _lowest_unused(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
-    """For lanes choosing: the lowest (score, column) of the bucket among rows not used by
-    `call`, as (score, column); column BUCKET if every row is used."""
+def _lowest_score(score_row, mark_row, choosing, call, BUCKET: tl.constexpr, CHUNK: tl.constexpr, MARKS: tl.constexpr):
+    """For lanes choosing: the lowest (score, column) of the bucket, among the rows not used
+    by `call` if MARKS, as (score, column); column BUCKET if there is none. CHUNK columns
+    at a time."""
     lowest = tl.full(choosing.shape, 9223372036854775807, tl.int64)
     victim = tl.full(choosing.shape, BUCKET, tl.int32)
-    for c in range(0, BUCKET, VICTIM_CHUNK):
-        cols = c + tl.arange(0, VICTIM_CHUNK)[None, :]
+    for c in range(0, BUCKET, CHUNK):
+        cols = c + tl.arange(0, CHUNK)[None, :]
         on = choosing[:, None] & (cols < BUCKET)
-        # scores and marks in flight together: a score load masked by the marks waits for them
-        unused = on & (tl.load(mark_row[:, None] + cols, mask=on, other=call, cache_modifier=".cg") != call)
-        scores = tl.where(unused, tl.load(score_row[:, None] + cols, mask=on, other=0, cache_modifier=".cg"), 9223372036854775807)
+        scores = tl.load(score_row[:, None] + cols, mask=on, other=9223372036854775807, cache_modifier=".cg")
+        if MARKS:  # (loaded with the scores: a score load masked by the marks would wait for them)
+            on = on & (tl.load(mark_row[:, None] + cols, mask=on, other=call, cache_modifier=".cg") != call)
+            scores = tl.where(on, scores, 9223372036854775807)
         low = tl.min(scores, axis=1)
-        at = tl.min(tl.where(unused & (scores == low[:, None]), cols, BUCKET), axis=1)
+        at = tl.min(tl.where(on & (scores == low[:, None]), cols, BUCKET), axis=1)
         better = (at < BUCKET) & ((low < lowest) | (victim == BUCKET))  # ties keep the lower column
         victim = tl.where(better, at, victim)
         lowest = tl.where(better, low, lowest)
@@ -213,25 +215,16 @@ def _lowest_unused(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
 
 @triton.jit
 def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
-    """_lowest_unused, reading the marks only where needed: the lowest (score, column) of
-    the whole bucket is the answer unless a row the call used holds it, which is rare (a
-    row a call uses gets the call's score, under LRU the highest). That reads 1 KB of a
-    bucket of 128 instead of 1.5 KB."""
-    lowest = tl.full(choosing.shape, 9223372036854775807, tl.int64)
-    victim = tl.full(choosing.shape, BUCKET, tl.int32)
-    for c in range(0, BUCKET, SCORE_CHUNK):
-        cols = c + tl.arange(0, SCORE_CHUNK)[None, :]
-        on = choosing[:, None] & (cols < BUCKET)
-        scores = tl.load(score_row[:, None] + cols, mask=on, other=9223372036854775807, cache_modifier=".cg")
-        low = tl.min(scores, axis=1)
-        at = tl.min(tl.where(on & (scores == low[:, None]), cols, BUCKET), axis=1)
-        better = (at < BUCKET) & ((low < lowest) | (victim == BUCKET))  # ties keep the lower column
-        victim = tl.where(better, at, victim)
-        lowest = tl.where(better, low, lowest)
+    """For lanes choosing: the lowest (score, column) of the bucket among rows not used by
+    `call`, as (score, column); column BUCKET if every row is used. The marks are read
+    only where needed: the lowest (score, column) of the whole bucket is the answer unless
+    a row the call used holds it, which is rare (a row a call uses gets the call's score,
+    under LRU the highest). That reads 1 KB of a bucket of 128 instead of 1.5 KB."""
+    lowest, victim = _lowest_score(score_row, mark_row, choosing, call, BUCKET, SCORE_CHUNK, False)
     used = choosing & (victim < BUCKET)
     used = used & (tl.load(mark_row + victim, mask=used, other=0, cache_modifier=".cg") == call)
     if tl.max(used.to(tl.int32), axis=0) > 0:
-        low, at = _lowest_unused(score_row, mark_row, used, call, BUCKET)
+        low, at = _lowest_score(score_row, mark_row, used, call, BUCKET, VICTIM_CHUNK, True)
         lowest = tl.where(used, low, lowest)
         victim = tl.where(used, at, victim)
     return lowest, victim
