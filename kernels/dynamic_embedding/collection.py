@@ -154,7 +154,7 @@ class _Group:
             return tids.to(self.device), _to_device(bounds, torch.int64, self.device)
         return self._cached("lanes", sizes, make)
 
-    def _table_scores(self) -> torch.Tensor:
+    def _table_scores(self) -> tuple[torch.Tensor, int]:
         def score(m: DynamicEmbedding) -> int:
             if m.config.read_only:
                 return torch.iinfo(torch.int64).min  # never raises a score
@@ -163,12 +163,11 @@ class _Group:
             return m.step
         scores = [score(m) for m in self.members]
         # scores move together from call to call: the device keeps them less the lowest
-        # one, which is added there (an add costs the host less than a copy from it)
+        # one, the offset the claim adds (a launch argument costs the host less than a copy)
         never = torch.iinfo(torch.int64).min
         offset = min((s for s in scores if s != never), default=0)
         base = [s if s == never else s - offset for s in scores]
-        held = self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device))
-        return held + offset if offset else held
+        return self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device)), offset
 
     def _flat_ids(self, x: torch.Tensor) -> torch.Tensor:
         if x.device == self.device and x.dtype == torch.int64 and x.dim() == 1:
@@ -216,9 +215,10 @@ class _Group:
     def _claim(self, r: _Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """find_or_insert of the segments' ids in their tables, growing those that need it
         (then again): their slots and whether each was inserted."""
+        scores, offset = self._table_scores()
         slots, inserted, _, _, _ = claim(
-            self._descriptors(), r.keys, self._table_scores(), self.bucket_size, r.tids, table_scores=True,
-            counts=self._counts, count=r.count, victims=False, flags=r.flags,
+            self._descriptors(), r.keys, scores, self.bucket_size, r.tids, table_scores=True,
+            counts=self._counts, count=r.count, victims=False, flags=r.flags, score_offset=offset,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:

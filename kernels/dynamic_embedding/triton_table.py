@@ -381,7 +381,7 @@ def _export_kernel(
 def _claim_keys(
     offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, BUCKET: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr,
-    call,
+    call, score_offset,
 ):
     """_claim_kernel's phase 0 on the keys at offs (lanes live). Stores their slots and
     inserted flags, and returns their slots and whether each was inserted."""
@@ -390,7 +390,7 @@ def _claim_keys(
     slot = tl.full(offs.shape, -1, tl.int64)
     active = live & (key != -9223372036854775807 - 1)  # the reserved key: never found, never stored
     if TABLE_SCORES:
-        score = tl.load(score_ptr + t, mask=active, other=0)
+        score = tl.load(score_ptr + t, mask=active, other=0) + score_offset
     else:
         score = tl.load(score_ptr + offs, mask=active, other=0)
     digest = _digest(h)
@@ -461,7 +461,7 @@ def _evict_lists(
     offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr,
     counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, MULTI: tl.constexpr,
     TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    VICTIMS: tl.constexpr, call,
+    VICTIMS: tl.constexpr, call, score_offset,
 ):
     """_claim_kernel's phase 1 for the lanes at offs (live) that head their bucket's list of
     waiting keys: each takes the keys of its list in turn, alone in the bucket (no other
@@ -488,7 +488,7 @@ def _evict_lists(
     pending = live
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         if TABLE_SCORES:
-            score = tl.load(score_ptr + t, mask=pending, other=0)
+            score = tl.load(score_ptr + t, mask=pending, other=0) + score_offset
         else:
             score = tl.load(score_ptr + lane, mask=pending, other=0)
         digest = _digest(h)
@@ -536,10 +536,10 @@ def _evict_lists(
     tl.store(head, tl.zeros(offs.shape, dtype=tl.int64), mask=live)
 
 
-@triton.jit(do_not_specialize=["call"])
+@triton.jit(do_not_specialize=["call", "score_offset"])
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, flags_ptr, victims_ptr, call, counts_ptr, refuse_ptr,
-    buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
+    buf_ptr, row_dim, row_stride, score_offset, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
     COUNTED: tl.constexpr, REFUSE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr, VICTIMS: tl.constexpr,
 ):
@@ -553,6 +553,8 @@ def _claim_kernel(
     this call if that score is <= its own, else is not stored (-1). A key stored is marked
     used by `call` at once, so no later key of the call evicts it. The reserved key is
     never found nor stored (-1).
+    TABLE_SCORES: a key's score is its table's, score_ptr[t] + score_offset (scores move
+    together from call to call: the offset saves the caller an add on the device).
     COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
     inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel.
     REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset).
@@ -593,7 +595,7 @@ def _claim_kernel(
             offs = tl.minimum(offs, n - 1)  # (idle lanes of the last block swap a live lane's slot entry)
             slot, inserted = _claim_keys(
                 offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, BUCKET, MULTI,
-                TABLE_SCORES, COUNT, ALIGN, ROWS, call,
+                TABLE_SCORES, COUNT, ALIGN, ROWS, call, score_offset,
             )
             if ROWS == FETCH:
                 _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK, "")
@@ -641,7 +643,7 @@ def _claim_kernel(
                     _evict_lists(
                         offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr,
                         victim_score_ptr, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES,
-                        COUNT, ALIGN, ROWS, DIM_BLOCK, VICTIMS, call,
+                        COUNT, ALIGN, ROWS, DIM_BLOCK, VICTIMS, call, score_offset,
                     )
 
 
@@ -706,6 +708,10 @@ def _grid(n: int, block: int) -> tuple[int]:
 # 1.52 / 1.19; 8/1 also leads at λ 1.0 and in the grouped training step (1.40 ms, 16/2
 # 1.43).
 FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
+# the first phase over a device count (a collection's lookup: distinct ids, most of them
+# found): H100, grouped SGD step, us of that launch (profiler, two rounds) 16/2 117,
+# 8/1 121-125
+GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS = 16, 2
 # the claim's eviction phase: keys per block, blocks per chunk (whose list heads it gathers
 # into full blocks), warps. H100, λ 1.0, dim 128, kernel time of find_or_insert_values /
 # insert_or_assign's eviction launch (µs, profiler), at 96 registers: 4/8 818 / 566, 4/16
@@ -771,13 +777,13 @@ def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
     refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0, victims: bool = True,
-    assign: bool = False, flags: torch.Tensor | None = None,
+    assign: bool = False, flags: torch.Tensor | None = None, score_offset: int = 0,
 ):
     """Fast find_or_insert on the tables of `desc` (_claim_kernel): found rows get their
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
     victim_keys, victim_scores), all (N,): an evicted lane's slot still holds its victim's
     row. Found and inserted rows are marked used by this call: none of its keys evicts
-    them. table_scores: `scores` are per table; counts: (T, 5) counters (see
+    them. table_scores: `scores` are per table, each plus score_offset; counts: (T, 5) counters (see
     _claim_kernel); count: as probe's; refuse: a device flag, if set nothing is done
     (slots unset), so that a caller can check a batch without waiting before the claim.
     rows: a contiguous (N, d) buffer of find_or_insert_values (one table whose rows are
@@ -795,9 +801,11 @@ def claim(
     lost = torch.empty(2, n, dtype=torch.int64, device=keys.device) if victims else keys
     if n:
         if count is None:
-            first, second = _grid(n, PLACE_BLOCK), _grid(n, EVICT_BLOCK * EVICT_SPAN)
+            place, place_warps = PLACE_BLOCK, PLACE_WARPS
+            first, second = _grid(n, place), _grid(n, EVICT_BLOCK * EVICT_SPAN)
         else:
-            first = resident_grid(triton.cdiv(n, PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
+            place, place_warps = GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS
+            first = resident_grid(triton.cdiv(n, place), keys.device, PLACE_PROGRAMS)
             second = resident_grid(triton.cdiv(n, EVICT_BLOCK * EVICT_SPAN), keys.device, EVICT_PROGRAMS)
         d = rows.shape[1] if rows is not None else 0
         # the host's time to issue the first launch is time the device waits: one set of
@@ -805,7 +813,7 @@ def claim(
         args = (
             keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags, lost,
             new_call(), counts if counts is not None else keys, refuse if refuse is not None else keys,
-            rows if rows is not None else keys, d, row_stride,
+            rows if rows is not None else keys, d, row_stride, score_offset,
         )
         constants = dict(
             BUCKET=bucket_size, MULTI=tids is not None, TABLE_SCORES=table_scores, COUNT=counts is not None,
@@ -813,7 +821,7 @@ def claim(
             ROWS=0 if rows is None else (ASSIGN if assign else FETCH).value,
             DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))), VICTIMS=victims,
         )
-        launch(_claim_kernel, first, *args, BLOCK=PLACE_BLOCK, SPAN=1, PHASE=0, num_warps=PLACE_WARPS, **constants)
+        launch(_claim_kernel, first, *args, BLOCK=place, SPAN=1, PHASE=0, num_warps=place_warps, **constants)
         launch(
             _claim_kernel, second,
             *args, BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS, maxnreg=EVICT_REGISTERS, **constants
