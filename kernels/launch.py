@@ -5,7 +5,9 @@ kernel's globals on every call: a launch of the claim kernel took 64 us of host 
 (Triton 3.6, an H100 machine), 31 us here. An idle GPU waits that long for a call's
 first kernel (benchmarks/launch_overhead.py).
 `launch` looks the compiled kernel up by a key of its own and hands the arguments
-straight to the compiled kernel's launcher. The key holds the constants and, per runtime
+straight to the compiled kernel's launcher, on the current stream, without the launch
+metadata that Triton builds for launch hooks when none is registered (a profiler that
+adds hooks gets Triton's launch). The key holds the constants and, per runtime
 argument, what Triton specializes on: a tensor's dtype and 16-byte alignment; an int's
 equality to 1, divisibility by 16, and 32- or 64-bit range (floats: none). The first
 launch of each key goes through Triton, which compiles; under the interpreter every
@@ -13,11 +15,13 @@ launch does.
 Kernels launched here must not read globals that change after their first launch.
 """
 import torch
+from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import JITFunction
 
 _compiled: dict = {}
-_constexpr_flags: dict = {}  # kernel: whether each parameter is a constexpr
+_constexpr_flags: dict = {}  # id(kernel): whether each parameter is a constexpr
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launch asks torch
 # False: every launch goes through Triton's (for comparison, or a Triton whose compiled
 # kernels launch differently: here their launcher takes every parameter in order)
 DIRECT = hasattr(CompiledKernel, "__getitem__")
@@ -42,14 +46,29 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if not (DIRECT and isinstance(kernel, JITFunction)):
         kernel[grid](*args, **kwargs)
         return
-    flags = _constexpr_flags.get(kernel)
+    # kernels by id: a JITFunction's own hash is computed in Python on every lookup
+    flags = _constexpr_flags.get(id(kernel))
     if flags is None:
-        flags = _constexpr_flags[kernel] = tuple(p.is_constexpr for p in kernel.params)
+        flags = _constexpr_flags[id(kernel)] = tuple(p.is_constexpr for p in kernel.params)
     values = (*args, *(kwargs.pop(name) for name in kernel.arg_names[len(args):]))  # kwargs keeps the options
-    key = (kernel, torch.cuda.current_device(), tuple(kwargs.items()), tuple(v if c else _spec(v) for v, c in zip(values, flags)))
+    device = torch.cuda.current_device()
+    key = (id(kernel), device, tuple(kwargs.items()), tuple(v if c else _spec(v) for v, c in zip(values, flags)))
     compiled = _compiled.get(key)
     if compiled is None:
         compiled = kernel[grid](*values, **kwargs)
         _compiled[key] = compiled.result() if hasattr(compiled, "result") else compiled
         return
-    compiled[(*grid, 1, 1)[:3]](*values)
+    grid = (*grid, 1, 1)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if _raw_stream is None or _hooked(enter) or _hooked(leave):
+        compiled[grid[:3]](*values)
+        return
+    compiled.run(
+        grid[0], grid[1], grid[2], _raw_stream(device), compiled.function, compiled.packed_metadata, None, enter, leave,
+        *values,
+    )
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook of Triton's knobs (None, or a chain of calls) would do anything."""
+    return hook is not None and bool(getattr(hook, "calls", True))
