@@ -1,9 +1,9 @@
 """Kernel launches that cost the host less time than Triton's own.
 
 Triton's launch binds and specializes every argument, builds a cache key and checks the
-kernel's globals on every call: a launch of the claim kernel took 64 us of host time
-(Triton 3.6, an H100 machine), 31 us here. An idle GPU waits that long for a call's
-first kernel (benchmarks/launch_overhead.py).
+kernel's globals on every call. An idle GPU waits that long for a call's first kernel:
+on an H100 lease (Triton 3.6) find_values took 73 us of host time with Triton's launch
+and 49 us with this one (benchmarks/launch_overhead.py).
 `launch` looks the compiled kernel up by a key of its own and hands the arguments
 straight to the compiled kernel's launcher, on the current stream, without the launch
 metadata that Triton builds for launch hooks when none is registered (a profiler that

@@ -783,8 +783,8 @@ def claim(
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
     victim_keys, victim_scores), all (N,): an evicted lane's slot still holds its victim's
     row. Found and inserted rows are marked used by this call: none of its keys evicts
-    them. table_scores: `scores` are per table, each plus score_offset; counts: (T, 5) counters (see
-    _claim_kernel); count: as probe's; refuse: a device flag, if set nothing is done
+    them. table_scores: `scores` are per table, each plus score_offset; counts: (T, 5)
+    counters (see _claim_kernel); count: as probe's; refuse: a device flag, if set nothing is done
     (slots unset), so that a caller can check a batch without waiting before the claim.
     rows: a contiguous (N, d) buffer of find_or_insert_values (one table whose rows are
     row_stride apart): new keys' first d values are stored from it, the other keys' come
@@ -859,15 +859,17 @@ class TritonHashTable(ReferenceHashTable):
     """The reference table's calls on Triton kernels. Bucket sizes must be powers of two.
 
     deterministic=True: results and layout equal the reference's, bit for bit.
-    deterministic=False (fast): find_or_insert and insert_or_assign insert in one kernel,
-    each new key under its bucket's lock, without sorting the batch. What differs from the
-    reference:
+    deterministic=False (fast): find_or_insert and insert_or_assign insert in the claim's
+    two launches, without sorting the batch: new keys take empty slots by compare-and-swap,
+    and those of a full bucket join its list, whose head evicts for them one after the
+    other. What differs from the reference:
     - the slot a new key lands in depends on thread timing (the set of keys does not,
       below max capacity);
     - of several copies of a new key in one call, one is reported inserted;
-    - at max capacity, new keys of one bucket evict in the order they take its lock, so
-      which rows go (always unused ones of the lowest scores) can differ from the
-      reference's when a bucket gets several new keys;
+    - at max capacity, new keys of one bucket evict in their list's order (the reverse of
+      the order they joined it, which thread timing sets), so which rows go (always
+      unused ones of the lowest scores) can differ from the reference's when a bucket
+      gets several new keys;
     - insert_or_assign stores one of the copies of a duplicated key (not the last).
     """
 
