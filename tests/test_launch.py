@@ -1,3 +1,4 @@
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -31,3 +32,13 @@ def test_launch_matches_the_plain_launch_across_alignments_sizes_and_constants()
         for lr in (0.1, 0.2, 0.3):
             launches.launch(_axpy_kernel, (4,), base, torch.empty_like(base), 200, lr, BLOCK=64, SHIFT=1)
         assert len([k for k in launches._compiled if k[0] == id(_axpy_kernel)]) == 4
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch runs on CUDA devices only")
+def test_launch_refuses_a_tensor_off_the_gpu_after_compiling():
+    """A launch whose key is compiled already still refuses a CPU tensor (it is not handed to
+    the kernel as an address)."""
+    x = torch.arange(64, dtype=torch.float32, device=DEVICE)
+    launches.launch(_axpy_kernel, (1,), x, torch.empty_like(x), 64, 2.0, BLOCK=64, SHIFT=1)
+    with pytest.raises(ValueError, match="cpu tensor"):
+        launches.launch(_axpy_kernel, (1,), x.cpu(), torch.empty_like(x), 64, 2.0, BLOCK=64, SHIFT=1)
