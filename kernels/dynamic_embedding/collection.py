@@ -96,7 +96,6 @@ class _Routing:
     tids: torch.Tensor  # each segment's table
     rows: torch.Tensor  # each segment's packed row (table << SLOT_BITS | slot); < 0: no row
     rowless: torch.Tensor  # (1,) set if some segment has no row
-    flags: torch.Tensor  # (2, N + 1) int8, zeroed: the claim's
     # set by a lookup after its claim: the tables' placement counts (the update checks that
     # nothing moved since)
     placements: tuple = ()
@@ -218,7 +217,7 @@ class _Group:
         scores, offset = self._table_scores()
         slots, inserted, _, _, _ = claim(
             self._descriptors(), r.keys, scores, self.bucket_size, r.tids, table_scores=True,
-            counts=self._counts, count=r.count, victims=False, flags=r.flags, score_offset=offset,
+            counts=self._counts, count=r.count, victims=False, score_offset=offset,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:
@@ -235,8 +234,6 @@ class _Group:
             return slots, inserted
         for t in grow:
             t._grow()
-        inserted = inserted.clone()  # the retry's flags take the same buffer, zeroed
-        r.flags.zero_()
         again, inserted_again = self._claim(r)
         return again, inserted | inserted_again
 
@@ -254,12 +251,11 @@ class _Group:
         the first lane with its id (_distinct_kernel), then the takers in lane order."""
         n = keys.numel()
         size = triton.next_power_of_2(2 * n)  # the map at most half full
-        # one zeroed buffer for the map, the count of segments, the rowless flag and the
-        # claim's flags; one allocation for the per-lane and one for the per-segment arrays
-        # (an allocation took 4.5 us of host time on a lent H100 machine)
-        scratch = torch.zeros(size + 2 + triton.cdiv(2 * (n + 1), 4), dtype=torch.int32, device=self.device)
+        # one zeroed buffer for the map, the count of segments and the rowless flag; one
+        # allocation for the per-lane and one for the per-segment arrays (an allocation
+        # took 4.5 us of host time on a lent H100 machine)
+        scratch = torch.zeros(size + 2, dtype=torch.int32, device=self.device)
         count, rowless = scratch[size : size + 1], scratch[size + 1 : size + 2]
-        flags = scratch[size + 2 :].view(torch.int8)[: 2 * (n + 1)].view(2, n + 1)
         number, first = torch.empty(2, n, dtype=torch.int32, device=self.device).unbind()
         launch(
             _distinct_kernel, (triton.cdiv(n, DISTINCT_BLOCK),),
@@ -271,7 +267,7 @@ class _Group:
             _number_kernel, (triton.cdiv(n, SCAN_BLOCK),),
             number, ranks, keys, tids, n, seg_keys, seg_tids, count, BLOCK=SCAN_BLOCK,
         )
-        return _Routing(ids, number, count, seg_keys, seg_tids, rows, rowless, flags)
+        return _Routing(ids, number, count, seg_keys, seg_tids, rows, rowless)
 
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
+from ..launch import launch, launch_each
 from .host_memory import host_mapped
 from .hashing import EMPTY_KEY
 from .table import MISSING, Evicted, ReferenceHashTable, reserved_key_error
@@ -51,11 +51,12 @@ def _digest(h):
 ROW_ALIGN = tl.constexpr(16)  # elements; a row's stride in a Triton table is a multiple
 
 # A table descriptor: int64 words that let one kernel address any of several tables (the
-# tables of a collection): storage addresses (HEADS: the claim's per-bucket list heads),
-# bucket mask and insertion mode
+# tables of a collection): storage addresses (HEADS: the claim's per-bucket list heads;
+# WAITS: the word where a claim on the descriptors whose first is this table's records
+# that some key waits to evict), bucket mask and insertion mode
 # (kernels may only read module globals that are constexpr)
-_KEYS, _DIGESTS, _SCORES, _VALUES, _MARKS, _HEADS, _MASK, _MODE = (tl.constexpr(i) for i in range(8))
-DESCRIPTOR_WORDS = tl.constexpr(8)
+_KEYS, _DIGESTS, _SCORES, _VALUES, _MARKS, _HEADS, _MASK, _MODE, _WAITS = (tl.constexpr(i) for i in range(9))
+DESCRIPTOR_WORDS = tl.constexpr(9)
 # insertion modes: a key whose bucket has no empty slot is refused (slot -1) under KEEP,
 # reported as slot -2 under GROW (the caller grows the table), evicts under EVICT
 READ_ONLY, GROW, EVICT, KEEP = 0, 1, 2, 3
@@ -538,7 +539,7 @@ def _evict_lists(
 
 @triton.jit(do_not_specialize=["call", "score_offset"])
 def _claim_kernel(
-    query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, slot_ptr, flags_ptr, victims_ptr, call, counts_ptr, refuse_ptr,
+    query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, out_ptr, call, counts_ptr, refuse_ptr,
     buf_ptr, row_dim, row_stride, score_offset, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
     COUNTED: tl.constexpr, REFUSE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr, VICTIMS: tl.constexpr,
@@ -571,12 +572,17 @@ def _claim_kernel(
     (a grid smaller than the batch serves a device count, which leaves most of a grid
     sized for the batch without work). In phase 1 a program takes chunks of SPAN blocks
     and gathers each chunk's list heads into full blocks: a block costs one chain of trips
-    to memory however few of its lanes lead. Outputs past the slots: flags (2, n + 1)
-    int8, whether each key was inserted, whether it evicted, and at [1, n] whether any key
-    waits (phase 1 does nothing otherwise); victims (2, n): the evicted keys and their
-    scores. Without VICTIMS neither victims nor the evicted flags are written."""
-    inserted_ptr, evicted_ptr, waits_ptr = flags_ptr, flags_ptr + n + 1, flags_ptr + 2 * n + 1
-    victim_key_ptr, victim_score_ptr = victims_ptr, victims_ptr + n
+    to memory however few of its lanes lead. Outputs, all in out (int64, one allocation:
+    the host's time to make tensors before the first launch is time the device waits):
+    the slots (n); with VICTIMS the evicted keys and their scores (2, n); then flags (2, n)
+    int8, whether each key was inserted and whether it evicted (phase 0 writes both for
+    every key, so nothing needs zeroing). Without VICTIMS neither victims nor the evicted
+    flags are written. Phase 0 stores `call` in the first table's WAITS word if any key
+    waits; phase 1 does nothing otherwise (a fresh call id needs no reset between calls)."""
+    slot_ptr, victim_key_ptr, victim_score_ptr = out_ptr, out_ptr + n, out_ptr + 2 * n
+    inserted_ptr = (out_ptr + (3 * n if VICTIMS else n)).to(tl.pointer_type(tl.int8))
+    evicted_ptr = inserted_ptr + n
+    waits_ptr = _field(desc_ptr, 0, _WAITS).to(tl.pointer_type(tl.int64))
     values_base = buf_ptr
     if ROWS != 0:  # one table
         values_base = _field(desc_ptr, 0, _VALUES).to(tl.pointer_type(buf_ptr.dtype.element_ty))
@@ -585,7 +591,7 @@ def _claim_kernel(
     if REFUSE:
         n = tl.where(tl.load(refuse_ptr) != 0, 0, n)
     # a store to waits_ptr from every block would queue at one address: set once is enough
-    flagged = tl.load(waits_ptr) != 0
+    flagged = tl.load(waits_ptr) == call
     if PHASE == 0:
         share = tl.cdiv(tl.cdiv(n, BLOCK), tl.num_programs(0))
         first_block = tl.program_id(0) * share
@@ -597,6 +603,8 @@ def _claim_kernel(
                 offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, BUCKET, MULTI,
                 TABLE_SCORES, COUNT, ALIGN, ROWS, call, score_offset,
             )
+            if VICTIMS:
+                tl.store(evicted_ptr + offs, tl.zeros(offs.shape, dtype=tl.int8), mask=live)
             if ROWS == FETCH:
                 _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK, "")
             if ROWS == ASSIGN:
@@ -608,7 +616,7 @@ def _claim_kernel(
                 first = stored & (tl.atomic_xchg(marks + slot, tl.full(offs.shape, call, tl.int32), mask=stored, sem="relaxed") != call)
                 _lane_rows(values_base, slot, row_stride, buf_ptr, offs, first, row_dim, True, DIM_BLOCK, "")
             if not flagged and tl.max((slot <= -3).to(tl.int32), axis=0) > 0:
-                tl.store(waits_ptr, 1)
+                tl.store(waits_ptr, call.to(tl.int64))
                 flagged = True
     else:
         if ROWS != FETCH:
@@ -777,7 +785,7 @@ def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
     refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0, victims: bool = True,
-    assign: bool = False, flags: torch.Tensor | None = None, score_offset: int = 0,
+    assign: bool = False, score_offset: int = 0,
 ):
     """Fast find_or_insert on the tables of `desc` (_claim_kernel): found rows get their
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
@@ -790,15 +798,10 @@ def claim(
     row_stride apart): new keys' first d values are stored from it, the other keys' come
     back in it; victims' rows are overwritten. assign: rows is insert_or_assign's instead,
     every key stored gets its row (of copies of a key, one's). victims=False: the caller
-    drops the victims (evicted, victim_keys and victim_scores come back None). flags: a
-    zeroed (2, N + 1) int8 buffer for the kernel's flags (see _claim_kernel), which come
-    back in it; by default one is made."""
+    drops the victims (evicted, victim_keys and victim_scores come back None)."""
     n = keys.numel()
-    slots = torch.empty(n, dtype=torch.int64, device=keys.device)
-    if flags is None:
-        flags = torch.zeros(2, n + 1, dtype=torch.int8, device=keys.device)
-    # victims' keys and scores (without victims the kernel writes none: keys stand in)
-    lost = torch.empty(2, n, dtype=torch.int64, device=keys.device) if victims else keys
+    flag_words = triton.cdiv(2 * n, 8)
+    out = torch.empty((3 * n if victims else n) + flag_words, dtype=torch.int64, device=keys.device)
     if n:
         if count is None:
             place, place_warps = PLACE_BLOCK, PLACE_WARPS
@@ -808,11 +811,12 @@ def claim(
             first = resident_grid(triton.cdiv(n, place), keys.device, PLACE_PROGRAMS)
             second = resident_grid(triton.cdiv(n, EVICT_BLOCK * EVICT_SPAN), keys.device, EVICT_PROGRAMS)
         d = rows.shape[1] if rows is not None else 0
-        # the host's time to issue the first launch is time the device waits: one set of
-        # arguments, no tensor views made before it
+        # the host's time to issue the launches is time the device waits (a first phase
+        # that only probes ends before the host issues the second): the arguments are read
+        # once for both, and no tensor views are made before them
         args = (
-            keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, slots, flags, lost,
-            new_call(), counts if counts is not None else keys, refuse if refuse is not None else keys,
+            keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, out, new_call(),
+            counts if counts is not None else keys, refuse if refuse is not None else keys,
             rows if rows is not None else keys, d, row_stride, score_offset,
         )
         constants = dict(
@@ -821,15 +825,15 @@ def claim(
             ROWS=0 if rows is None else (ASSIGN if assign else FETCH).value,
             DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))), VICTIMS=victims,
         )
-        launch(_claim_kernel, first, *args, BLOCK=place, SPAN=1, PHASE=0, num_warps=place_warps, **constants)
-        launch(
-            _claim_kernel, second,
-            *args, BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS, maxnreg=EVICT_REGISTERS, **constants
-        )
-    inserted, evicted = flags[:, :n].view(torch.bool).unbind(0)
+        launch_each(_claim_kernel, args, (
+            (first, dict(BLOCK=place, SPAN=1, PHASE=0, num_warps=place_warps, **constants)),
+            (second, dict(BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS, maxnreg=EVICT_REGISTERS, **constants)),
+        ))
+    slots, flags = out[:n], out[out.numel() - flag_words :].view(torch.int8)[: 2 * n].view(2, n)
+    inserted, evicted = flags.view(torch.bool).unbind(0)
     if not victims:
         return slots, inserted, None, None, None
-    return slots, inserted, evicted, *lost.unbind(0)
+    return slots, inserted, evicted, out[n : 2 * n], out[2 * n : 3 * n]
 
 
 def copy_rows(
@@ -1012,9 +1016,10 @@ class TritonHashTable(ReferenceHashTable):
         self._marks = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)  # the last call that used a row
         # per bucket, the head of the claim's list of keys waiting to evict (zero between calls)
         self._heads = torch.zeros(num_buckets, dtype=torch.int64, device=self.device)
+        self._waits = torch.zeros(1, dtype=torch.int64, device=self.device)  # the WAITS word
         words = [0] * DESCRIPTOR_WORDS.value
         for i, t in ((_KEYS, self.keys), (_DIGESTS, self.digests), (_SCORES, self.scores), (_VALUES, self.values),
-                     (_MARKS, self._marks), (_HEADS, self._heads)):
+                     (_MARKS, self._marks), (_HEADS, self._heads), (_WAITS, self._waits)):
             words[i.value] = t.data_ptr()
         words[_MASK.value], words[_MODE.value] = num_buckets - 1, self.insert_mode
         self._descriptor = torch.tensor(words, dtype=torch.int64, device=self.device)
