@@ -9,10 +9,12 @@ run of another dim measured up to 30% slower than in a fresh process.
 As HierarchicalKV's benchmark (benchmark/merlin_hashtable_benchmark.cc.cu): int64 keys,
 fp32 values, 1,048,576 keys per call, dim 8 / 64 / 128 with capacity 128M / 64M / 32M,
 load factor 0.5 and 1.0, bucket size 128; 60% of a call's keys are keys of the last
-insert that filled the table, 40% are absent; a call is timed on the host up to a
-stream synchronize, and throughput is keys / s / 2**30 (its "billion-KV/second"). Each
-op is also timed by its GPU work alone (the profiler's sum of its kernels, "GPU only"),
-which does not move with the speed of the host that issues them.
+insert that filled the table, 40% are absent; the inserts' scores are the call's step
+(LRU), made with the keys before the call (HierarchicalKV's LRU takes no scores); a call
+is timed on the host up to a stream synchronize, and throughput is keys / s / 2**30 (its
+"billion-KV/second"). Each op is also timed by its GPU work alone (the profiler's sum of
+its kernels, "GPU only"), which does not move with the speed of the host that issues
+them.
 Per call:
 - find: returns values (fused probe + copy) and the found mask.
 - find_or_insert: through find_or_insert_values (HKV's semantics: absent keys are stored
@@ -121,7 +123,12 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
     def keys():
         return (torch.cat([present, torch.randint(-(2**62), 2**62, (BATCH - hits,), device="cuda", generator=gen)]),)
 
-    def forget(k):  # undo the call's inserts, refill what it evicted
+    def scored():  # keys and their scores, the call's step (LRU): inputs, untimed as keys
+        step[0] += 1
+        k = keys()[0]
+        return k, torch.full_like(k, step[0])
+
+    def forget(k, _):  # undo the call's inserts, refill what it evicted
         table.erase(k[hits:])
         fill(table, load_factor, gen)
 
@@ -133,15 +140,13 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
 
     def refilled():  # the new keys' values (found keys' rows come back in the buffer), untimed
         out.copy_(rows)
-        return keys()
+        return scored()
 
-    def find_or_insert(k, returning=False):
-        step[0] += 1
-        table.find_or_insert_values(k, torch.full_like(k, step[0]), out, return_evicted=returning)
+    def find_or_insert(k, s, returning=False):
+        table.find_or_insert_values(k, s, out, return_evicted=returning)
 
-    def insert_or_assign(k, returning=False):
-        step[0] += 1
-        table.insert_or_assign(k, rows, torch.full_like(k, step[0]), return_evicted=returning)
+    def insert_or_assign(k, s, returning=False):
+        table.insert_or_assign(k, rows, s, return_evicted=returning)
 
     slots = torch.randint(table.capacity, (BATCH,), device="cuda", generator=gen)
     sorted_keys, order = torch.sort(table.export()[0])
@@ -157,14 +162,14 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
     results = {
         "find": both(find, keys),
         "find_or_insert": both(find_or_insert, refilled, forget),
-        "insert_or_assign": both(insert_or_assign, keys, forget),
-        "find_or_insert_returning_evicted": both(lambda k: find_or_insert(k, True), refilled, forget),
-        "insert_or_assign_returning_evicted": both(lambda k: insert_or_assign(k, True), keys, forget),
+        "insert_or_assign": both(insert_or_assign, scored, forget),
+        "find_or_insert_returning_evicted": both(lambda k, s: find_or_insert(k, s, True), refilled, forget),
+        "insert_or_assign_returning_evicted": both(lambda k, s: insert_or_assign(k, s, True), scored, forget),
     }
     table.deterministic = True
     results |= {
-        "find_or_insert_deterministic": both(lambda k: find_or_insert(k, True), refilled, forget),
-        "insert_or_assign_deterministic": both(lambda k: insert_or_assign(k, True), keys, forget),
+        "find_or_insert_deterministic": both(lambda k, s: find_or_insert(k, s, True), refilled, forget),
+        "insert_or_assign_deterministic": both(lambda k, s: insert_or_assign(k, s, True), scored, forget),
     }
     table.deterministic = False
     results |= {
