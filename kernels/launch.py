@@ -2,8 +2,9 @@
 
 Triton's launch binds and specializes every argument, builds a cache key and checks the
 kernel's globals on every call. An idle GPU waits that long for a call's first kernel:
-on an H100 lease (Triton 3.6) find_values took 73 us of host time with Triton's launch
-and 49 us with this one (benchmarks/launch_overhead.py).
+on an H100 lease (Triton 3.6) find_values took 53 us of host time with Triton's launch
+and 36 us with this one, find_or_insert_values (two launches) 150 and 90 us
+(benchmarks/launch_overhead.py).
 `launch` looks the compiled kernel up by a key of its own and hands the arguments
 straight to the compiled kernel's launcher, on the current stream, without the launch
 metadata that Triton builds for launch hooks when none is registered (a profiler that
@@ -11,7 +12,8 @@ adds hooks gets Triton's launch). The key holds the constants and, per runtime
 argument, what Triton specializes on: a tensor's dtype and 16-byte alignment; an int's
 equality to 1, divisibility by 16, and 32- or 64-bit range (floats: none). Tensors go
 to the launcher as their addresses, read once here (given a tensor, the launcher asks
-it again and has the driver check the address: 1 us per tensor on a lent H100 host);
+it again and has the driver check the address: the claim's first launch, 9 tensors,
+took 9.7 us of host time against 7.8 given addresses, on a lent H100 host);
 a launch with a tensor not on a CUDA device goes through Triton, which refuses it. The
 first launch of each key goes through Triton, which compiles; under the interpreter
 every launch does.
