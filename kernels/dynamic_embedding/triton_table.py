@@ -792,8 +792,9 @@ def claim(
     victim_keys, victim_scores), all (N,): an evicted lane's slot still holds its victim's
     row. Found and inserted rows are marked used by this call: none of its keys evicts
     them. table_scores: `scores` are per table, each plus score_offset; counts: (T, 5)
-    counters (see _claim_kernel); count: as probe's; refuse: a device flag, if set nothing is done
-    (slots unset), so that a caller can check a batch without waiting before the claim.
+    counters (see _claim_kernel); count: as probe's (flags past it are unset too);
+    refuse: a device flag, if set nothing is done (slots and flags unset), so that a
+    caller can check a batch without waiting before the claim.
     rows: a contiguous (N, d) buffer of find_or_insert_values (one table whose rows are
     row_stride apart): new keys' first d values are stored from it, the other keys' come
     back in it; victims' rows are overwritten. assign: rows is insert_or_assign's instead,
