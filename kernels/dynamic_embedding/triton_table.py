@@ -379,6 +379,15 @@ def _export_kernel(
 
 
 @triton.jit
+def _key_scores(score_ptr, t, lanes, live, score_offset, TABLE_SCORES: tl.constexpr):
+    """The claim's score of the keys at lanes: their table's, score_ptr[t] + score_offset,
+    under TABLE_SCORES, else their own, score_ptr[lanes]."""
+    if TABLE_SCORES:
+        return tl.load(score_ptr + t, mask=live, other=0) + score_offset
+    return tl.load(score_ptr + lanes, mask=live, other=0)
+
+
+@triton.jit
 def _claim_keys(
     offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, BUCKET: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr,
@@ -390,10 +399,7 @@ def _claim_keys(
     mode = _field(desc_ptr, t, _MODE) + tl.zeros(offs.shape, dtype=tl.int64)  # per key, also for one table
     slot = tl.full(offs.shape, -1, tl.int64)
     active = live & (key != -9223372036854775807 - 1)  # the reserved key: never found, never stored
-    if TABLE_SCORES:
-        score = tl.load(score_ptr + t, mask=active, other=0) + score_offset
-    else:
-        score = tl.load(score_ptr + offs, mask=active, other=0)
+    score = _key_scores(score_ptr, t, offs, active, score_offset, TABLE_SCORES)
     digest = _digest(h)
     keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
     digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
@@ -488,10 +494,7 @@ def _evict_lists(
     stored = live & False
     pending = live
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        if TABLE_SCORES:
-            score = tl.load(score_ptr + t, mask=pending, other=0) + score_offset
-        else:
-            score = tl.load(score_ptr + lane, mask=pending, other=0)
+        score = _key_scores(score_ptr, t, lane, pending, score_offset, TABLE_SCORES)
         digest = _digest(h)
         same = pending & (key == last_key)
         probing = pending & stored & ~same  # the list stored other keys: one may be this one
