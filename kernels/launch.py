@@ -2,21 +2,23 @@
 
 Triton's launch binds and specializes every argument, builds a cache key and checks the
 kernel's globals on every call. An idle GPU waits that long for a call's first kernel:
-on an H100 lease (Triton 3.6) find_values took 53 us of host time with Triton's launch
-and 36 us with this one, find_or_insert_values (two launches) 150 and 90 us
+on an H100 lease (Triton 3.6) find_values took 65 us of host time with Triton's launch
+and 37 us with this one, find_or_insert_values (two launches) 194 and 106 us
 (benchmarks/launch_overhead.py).
-`launch` looks the compiled kernel up by a key of its own and hands the arguments
-straight to the compiled kernel's launcher, on the current stream, without the launch
-metadata that Triton builds for launch hooks when none is registered (a profiler that
-adds hooks gets Triton's launch). The key holds the constants and, per runtime
-argument, what Triton specializes on: a tensor's dtype and 16-byte alignment; an int's
-equality to 1, divisibility by 16, and 32- or 64-bit range (floats: none). Tensors go
-to the launcher as their addresses, read once here (given a tensor, the launcher asks
-it again and has the driver check the address: the claim's first launch, 9 tensors,
-took 9.7 us of host time against 7.8 given addresses, on a lent H100 host);
-a launch with a tensor not on a CUDA device goes through Triton, which refuses it. The
-first launch of each key goes through Triton, which compiles; under the interpreter
-every launch does.
+A launch is `Prepared` once per kind of call: the constants (every parameter after the
+runtime ones) and the launch options are split off and kept, with the kernels compiled
+for them. `launch` prepares by its keyword arguments; hot callers keep their Prepared
+launches and hand them to `launch_each`. A launch looks the compiled kernel up by what
+Triton specializes the runtime arguments on (a tensor's dtype and 16-byte alignment;
+an int's equality to 1, divisibility by 16, and 32- or 64-bit range; floats: none) and
+hands the arguments straight to the compiled kernel's launcher, on the current stream,
+without the launch metadata that Triton builds for launch hooks when none is registered
+(a profiler that adds hooks gets Triton's launch). Tensors go to the launcher as their
+addresses, read once here (given a tensor, the launcher asks it again and has the
+driver check the address: the claim's first launch, 9 tensors, took 9.7 us of host time
+against 7.8 given addresses, on a lent H100 host); a launch with a tensor not on a CUDA
+device goes through Triton, which refuses it. The first launch of each key goes through
+Triton, which compiles; under the interpreter every launch does.
 Kernels launched here must not read globals that change after their first launch.
 """
 import torch
@@ -24,7 +26,6 @@ from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import JITFunction
 
-_compiled: dict = {}
 _constexpr_flags: dict = {}  # id(kernel): whether each parameter is a constexpr
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launch asks torch
 # False: every launch goes through Triton's (for comparison, or a Triton whose compiled
@@ -44,63 +45,104 @@ def _spec(arg) -> tuple:
     return type(arg), arg
 
 
+class Prepared:
+    """A kernel's launches with every parameter after its first n_args (constexprs) and the
+    launch options bound once: each launch then reads only its first n_args arguments.
+    Holds the kernels compiled for it, by device and those arguments' key."""
+
+    __slots__ = ("kernel", "kwargs", "rest", "compiled")
+
+    def __init__(self, kernel, n_args: int, kwargs: dict):
+        self.kernel, self.kwargs, self.compiled = kernel, kwargs, {}
+        if isinstance(kernel, JITFunction):
+            if not all(_flags(kernel)[n_args:]):
+                raise TypeError(f"{kernel.__name__}: parameters after the first {n_args} must be constexprs to be prepared")
+            self.rest = tuple(kwargs[name] for name in kernel.arg_names[n_args:])  # what the launcher gets for them
+
+
+_prepared: dict = {}  # (id(kernel), n_args, kwargs' items): its Prepared
+
+
+def prepare(kernel, n_args: int, **kwargs) -> Prepared:
+    """The Prepared launch of kernel with kwargs (every parameter after the first n_args,
+    then launch options such as num_warps); one per distinct kwargs."""
+    key = (id(kernel), n_args, tuple(kwargs.items()))
+    prepared = _prepared.get(key)
+    if prepared is None:
+        prepared = _prepared[key] = Prepared(kernel, n_args, kwargs)
+    return prepared
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), where args are the first parameters in order and
     kwargs name every other parameter, then launch options (num_warps, maxnreg, ...)."""
-    launch_each(kernel, args, ((grid, kwargs),))
-
-
-def launch_each(kernel, args: tuple, launches) -> None:
-    """launch(kernel, grid, *args, **kwargs) for each (grid, kwargs) of launches, in order:
-    launches of one kernel on the same first arguments (the phases of a computation),
-    which are read once for all of them."""
     if not (DIRECT and isinstance(kernel, JITFunction)):
-        for grid, kwargs in launches:
-            kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **kwargs)
         return
-    # kernels by id: a JITFunction's own hash is computed in Python on every lookup
-    flags = _constexpr_flags.get(id(kernel))
-    if flags is None:
-        flags = _constexpr_flags[id(kernel)] = tuple(p.is_constexpr for p in kernel.params)
-    head = _bind(args, flags)
-    device = torch.cuda.current_device()
-    for grid, kwargs in launches:
+    flags = _flags(kernel)
+    runtime = len(flags) - flags[::-1].index(False) if False in flags else 0  # up to the last runtime parameter
+    if len(args) < runtime:  # runtime parameters named: they join args, and kwargs keep constants only
         kwargs = dict(kwargs)
-        rest = tuple(kwargs.pop(name) for name in kernel.arg_names[len(args):])  # kwargs keeps the options
-        tail = _bind(rest, flags[len(args):])
-        if head is None or tail is None:  # a tensor off the GPU: Triton refuses it
-            kernel[grid](*args, *rest, **kwargs)
+        args = (*args, *(kwargs.pop(name) for name in kernel.arg_names[len(args) : runtime]))
+    launch_each(args, ((grid, prepare(kernel, len(args), **kwargs)),))
+
+
+def launch_each(args: tuple, launches) -> None:
+    """Each (grid, Prepared) of launches, in order, on the same first arguments: launches of
+    one kernel (the phases of a computation), whose arguments are read once for all."""
+    kernel = launches[0][1].kernel
+    if not (DIRECT and isinstance(kernel, JITFunction)):
+        for grid, prepared in launches:
+            kernel[grid](*args, **prepared.kwargs)
+        return
+    head = _bind(args, _flags(kernel))
+    device = torch.cuda.current_device()
+    for grid, prepared in launches:
+        if head is None:  # a tensor off the GPU: Triton refuses it
+            kernel[grid](*args, **prepared.kwargs)
             continue
-        key = (id(kernel), device, tuple(kwargs.items()), head[0], tail[0])
-        compiled = _compiled.get(key)
+        compiled = prepared.compiled.get((device, head[0]))
         if compiled is None:
-            compiled = kernel[grid](*args, *rest, **kwargs)
-            _compiled[key] = compiled.result() if hasattr(compiled, "result") else compiled
+            compiled = kernel[grid](*args, **prepared.kwargs)
+            prepared.compiled[device, head[0]] = compiled.result() if hasattr(compiled, "result") else compiled
             continue
         grid = (*grid, 1, 1)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if _raw_stream is None or _hooked(enter) or _hooked(leave):
-            compiled[grid[:3]](*args, *rest)
+            compiled[grid[:3]](*args, *prepared.rest)
             continue
         compiled.run(
             grid[0], grid[1], grid[2], _raw_stream(device), compiled.function, compiled.packed_metadata, None, enter,
-            leave, *head[1], *tail[1],
+            leave, *head[1], *prepared.rest,
         )
+
+
+def _flags(kernel) -> tuple:
+    """Whether each parameter of kernel is a constexpr."""
+    # kernels by id: a JITFunction's own hash is computed in Python on every lookup
+    flags = _constexpr_flags.get(id(kernel))
+    if flags is None:
+        flags = _constexpr_flags[id(kernel)] = tuple(p.is_constexpr for p in kernel.params)
+    return flags
 
 
 def _bind(values: tuple, constant: tuple) -> tuple[tuple, list] | None:
     """(the key's part for values, what the launcher gets for them), constant[i] telling
-    whether values[i] is a constexpr; None if a tensor is not on a CUDA device."""
-    spec, passed = [], []
+    whether values[i] is a constexpr; None if a tensor is not on a CUDA device. A tensor
+    passed several times (placeholders for unused pointers) is read once."""
+    spec, passed, seen = [], [], {}
     for v, c in zip(values, constant):
         if c:
             spec.append(v)
         elif isinstance(v, torch.Tensor):
-            if not v.is_cuda:
-                return None
-            address = v.data_ptr()
-            spec.append((v.dtype, address % 16 == 0))
-            v = address
+            bound = seen.get(id(v))
+            if bound is None:
+                if not v.is_cuda:
+                    return None
+                address = v.data_ptr()
+                bound = seen[id(v)] = ((v.dtype, address % 16 == 0), address)
+            spec.append(bound[0])
+            v = bound[1]
         else:
             spec.append(_spec(v))
         passed.append(v)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch, launch_each
+from ..launch import launch, launch_each, prepare
 from .host_memory import host_mapped
 from .hashing import EMPTY_KEY
 from .table import MISSING, Evicted, ReferenceHashTable, reserved_key_error
@@ -760,6 +760,15 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _find_launch(n_args: int, bucket_size: int, out_dim: int, gather: bool, multi: bool, counted: bool, found: bool):
+    """probe's launch of _find_kernel on n_args arguments, prepared."""
+    return prepare(
+        _find_kernel, n_args, BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
+        GATHER=gather, MULTI=multi, ALIGN=min(bucket_size, 16), COUNTED=counted, FOUND=found, num_warps=FIND_WARPS,
+    )
+
+
 def probe(
     desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
     out: torch.Tensor | None = None, count: torch.Tensor | None = None, found_only: bool = False,
@@ -773,14 +782,12 @@ def probe(
     if n == 0:
         return slots
     out_dim = out.shape[1] if out is not None else 0
-    launch(
-        _find_kernel, _grid(n, FIND_BLOCK),
+    args = (
         keys, tids if tids is not None else keys, n, count if count is not None else keys, desc,
         slots.view(torch.int8) if found_only else slots, out if out is not None else slots, out_dim, row_stride,
-        BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
-        GATHER=out is not None, MULTI=tids is not None, ALIGN=min(bucket_size, 16), COUNTED=count is not None,
-        FOUND=found_only, num_warps=FIND_WARPS,
     )
+    find = _find_launch(len(args), bucket_size, out_dim, out is not None, tids is not None, count is not None, found_only)
+    launch_each(args, ((_grid(n, FIND_BLOCK), find),))
     return slots
 
 
@@ -805,39 +812,55 @@ def claim(
     drops the victims (evicted, victim_keys and victim_scores come back None)."""
     n = keys.numel()
     flag_words = triton.cdiv(2 * n, 8)
-    out = torch.empty((3 * n if victims else n) + flag_words, dtype=torch.int64, device=keys.device)
+    out = keys.new_empty((3 * n if victims else n) + flag_words)  # (int64, as keys)
     if n:
         if count is None:
-            place, place_warps = PLACE_BLOCK, PLACE_WARPS
-            first, second = _grid(n, place), _grid(n, EVICT_BLOCK * EVICT_SPAN)
+            first, second = _grid(n, PLACE_BLOCK), _grid(n, EVICT_BLOCK * EVICT_SPAN)
         else:
-            place, place_warps = GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS
-            first = resident_grid(triton.cdiv(n, place), keys.device, PLACE_PROGRAMS)
+            first = resident_grid(triton.cdiv(n, GROUP_PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
             second = resident_grid(triton.cdiv(n, EVICT_BLOCK * EVICT_SPAN), keys.device, EVICT_PROGRAMS)
         d = rows.shape[1] if rows is not None else 0
         # the host's time to issue the launches is time the device waits (a first phase
         # that only probes ends before the host issues the second): the arguments are read
-        # once for both, and no tensor views are made before them
+        # once for both, the launches' constants are bound once per kind of call, and no
+        # tensor views are made before them
         args = (
             keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, out, new_call(),
             counts if counts is not None else keys, refuse if refuse is not None else keys,
             rows if rows is not None else keys, d, row_stride, score_offset,
         )
-        constants = dict(
-            BUCKET=bucket_size, MULTI=tids is not None, TABLE_SCORES=table_scores, COUNT=counts is not None,
-            ALIGN=min(bucket_size, 16), COUNTED=count is not None, REFUSE=refuse is not None,
-            ROWS=0 if rows is None else (ASSIGN if assign else FETCH).value,
-            DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))), VICTIMS=victims,
+        phase0, phase1 = _claim_launches(
+            len(args), bucket_size, tids is not None, table_scores, counts is not None, count is not None, refuse is not None,
+            0 if rows is None else (ASSIGN if assign else FETCH).value, d, victims,
         )
-        launch_each(_claim_kernel, args, (
-            (first, dict(BLOCK=place, SPAN=1, PHASE=0, num_warps=place_warps, **constants)),
-            (second, dict(BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS, maxnreg=EVICT_REGISTERS, **constants)),
-        ))
+        launch_each(args, ((first, phase0), (second, phase1)))
     slots, flags = out[:n], out[out.numel() - flag_words :].view(torch.int8)[: 2 * n].view(2, n)
     inserted, evicted = flags.view(torch.bool).unbind(0)
     if not victims:
         return slots, inserted, None, None, None
     return slots, inserted, evicted, out[n : 2 * n], out[2 * n : 3 * n]
+
+
+@functools.cache
+def _claim_launches(
+    n_args: int, bucket_size: int, multi: bool, table_scores: bool, counts: bool, counted: bool, refuse: bool, rows: int,
+    d: int, victims: bool,
+):
+    """The claim's two launches of _claim_kernel on n_args arguments, prepared (its
+    constants and options)."""
+    constants = dict(
+        BUCKET=bucket_size, MULTI=multi, TABLE_SCORES=table_scores, COUNT=counts, ALIGN=min(bucket_size, 16),
+        COUNTED=counted, REFUSE=refuse, ROWS=rows, DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))),
+        VICTIMS=victims,
+    )
+    place, place_warps = (GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS) if counted else (PLACE_BLOCK, PLACE_WARPS)
+    return (
+        prepare(_claim_kernel, n_args, BLOCK=place, SPAN=1, PHASE=0, num_warps=place_warps, **constants),
+        prepare(
+            _claim_kernel, n_args, BLOCK=EVICT_BLOCK, SPAN=EVICT_SPAN, PHASE=1, num_warps=EVICT_WARPS,
+            maxnreg=EVICT_REGISTERS, **constants,
+        ),
+    )
 
 
 def copy_rows(
