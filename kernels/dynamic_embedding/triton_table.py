@@ -628,15 +628,19 @@ def _claim_kernel(
         share = tl.cdiv(tl.cdiv(n, CHUNK), tl.num_programs(0))
         first_chunk = tl.program_id(0) * share
         for chunk in range(first_chunk, tl.minimum(first_chunk + share, tl.cdiv(n, CHUNK))):
-            if ROWS == FETCH:  # rows of keys found in phase 0 go out (a key inserted there wrote its row)
-                for b in range(0, SPAN):
-                    offs = (chunk * SPAN + b) * BLOCK + tl.arange(0, BLOCK)
-                    slot = tl.load(slot_ptr + offs, mask=offs < n, other=-1)
-                    old = slot >= 0
-                    old = old & (tl.load(inserted_ptr + offs, mask=old, other=0) == 0)
-                    _lane_rows(values_base, slot, row_stride, buf_ptr, offs, old, row_dim, False, DIM_BLOCK, "")
             lanes = chunk * CHUNK + tl.arange(0, CHUNK)
-            waiting = (lanes < n) & (tl.load(slot_ptr + lanes, mask=lanes < n, other=0) <= -3)
+            chunk_slots = tl.load(slot_ptr + lanes, mask=lanes < n, other=0)
+            waiting = (lanes < n) & (chunk_slots <= -3)
+            if ROWS == FETCH:  # rows of keys found in phase 0 go out (a key inserted there wrote its row)
+                # the chunk's slots and flags are read at once, and then again from L1 a block
+                # at a time: a block's trips to memory are then its rows' alone
+                old_rows = (chunk_slots >= 0) & (tl.load(inserted_ptr + lanes, mask=lanes < n, other=1) == 0)
+                if tl.max(old_rows.to(tl.int32), axis=0) > 0:
+                    for b in range(0, SPAN):
+                        offs = (chunk * SPAN + b) * BLOCK + tl.arange(0, BLOCK)
+                        slot = tl.load(slot_ptr + offs, mask=offs < n, other=-1)
+                        old = (slot >= 0) & (tl.load(inserted_ptr + offs, mask=offs < n, other=1) == 0)
+                        _lane_rows(values_base, slot, row_stride, buf_ptr, offs, old, row_dim, False, DIM_BLOCK, "")
             if tl.max(waiting.to(tl.int32), axis=0) > 0:
                 # the heads of the chunk's lists
                 t, _, _, bucket = _lane_bucket(lanes, waiting, query_ptr, tid_ptr, desc_ptr, MULTI)
