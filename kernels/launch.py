@@ -27,6 +27,7 @@ from triton.compiler import CompiledKernel
 from triton.runtime import JITFunction
 
 _constexpr_flags: dict = {}  # id(kernel): whether each parameter is a constexpr
+_runtime_counts: dict = {}  # id(kernel): _runtime_params(kernel)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launch asks torch
 # False: every launch goes through Triton's (for comparison, or a Triton whose compiled
 # kernels launch differently: here their launcher takes every parameter in order)
@@ -79,8 +80,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if not (DIRECT and isinstance(kernel, JITFunction)):
         kernel[grid](*args, **kwargs)
         return
-    flags = _flags(kernel)
-    runtime = len(flags) - flags[::-1].index(False) if False in flags else 0  # up to the last runtime parameter
+    runtime = _runtime_params(kernel)
     if len(args) < runtime:  # runtime parameters named: they join args, and kwargs keep constants only
         kwargs = dict(kwargs)
         args = (*args, *(kwargs.pop(name) for name in kernel.arg_names[len(args) : runtime]))
@@ -124,6 +124,15 @@ def _flags(kernel) -> tuple:
     if flags is None:
         flags = _constexpr_flags[id(kernel)] = tuple(p.is_constexpr for p in kernel.params)
     return flags
+
+
+def _runtime_params(kernel) -> int:
+    """How many parameters of kernel come up to its last runtime (not constexpr) one."""
+    count = _runtime_counts.get(id(kernel))
+    if count is None:
+        flags = _flags(kernel)
+        count = _runtime_counts[id(kernel)] = len(flags) - flags[::-1].index(False) if False in flags else 0
+    return count
 
 
 def _bind(values: tuple, constant: tuple) -> tuple[tuple, list] | None:
