@@ -53,3 +53,12 @@ def test_launch_takes_runtime_arguments_by_name():
         y = torch.empty_like(x)
         launches.launch(_axpy_kernel, (1,), x, y, n=64, a=a, BLOCK=64, SHIFT=1)
         assert torch.equal(y, x * a + 1)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch runs on CUDA devices only")
+def test_prepare_refuses_runtime_parameters_among_the_constants():
+    """A Prepared launch binds what follows its first arguments once, so a runtime parameter
+    there (it would be frozen at its first value) is an error that names the kernel."""
+    with pytest.raises(TypeError, match="_axpy_kernel: parameters after the first 2 must be constexprs"):
+        launches.prepare(_axpy_kernel, 2, n=64, a=2.0, BLOCK=64, SHIFT=1)
+    assert launches.prepare(_axpy_kernel, 4, BLOCK=64, SHIFT=1).rest == (64, 1)
