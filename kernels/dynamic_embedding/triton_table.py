@@ -215,13 +215,12 @@ def _lowest_score(score_row, mark_row, choosing, call, BUCKET: tl.constexpr, CHU
 
 
 @triton.jit
-def _victim_column(score_row, mark_row, choosing, call, BUCKET: tl.constexpr):
-    """For lanes choosing: the lowest (score, column) of the bucket among rows not used by
-    `call`, as (score, column); column BUCKET if every row is used. The marks are read
-    only where needed: the lowest (score, column) of the whole bucket is the answer unless
-    a row the call used holds it, which is rare (a row a call uses gets the call's score,
-    under LRU the highest). That reads 1 KB of a bucket of 128 instead of 1.5 KB."""
-    lowest, victim = _lowest_score(score_row, mark_row, choosing, call, BUCKET, SCORE_CHUNK, False)
+def _victim_column(score_row, mark_row, lowest, victim, choosing, call, BUCKET: tl.constexpr):
+    """For lanes choosing, given the lowest (score, column) of their whole bucket: the
+    lowest (score, column) among rows not used by `call`, column BUCKET if every row is
+    used. The marks are read only where needed: the whole bucket's lowest is the answer
+    unless a row the call used holds it, which is rare (a row a call uses gets the call's
+    score, under LRU the highest). That reads 1 KB of a bucket of 128 instead of 1.5 KB."""
     used = choosing & (victim < BUCKET)
     used = used & (tl.load(mark_row + victim, mask=used, other=0, cache_modifier=".cg") == call)
     if tl.max(used.to(tl.int32), axis=0) > 0:
@@ -488,23 +487,33 @@ def _evict_lists(
     mark_row = tl.multiple_of(marks + bucket * BUCKET, ALIGN)
     lane = offs.to(tl.int64)
     link = tl.load(slot_ptr + lane, mask=live, other=-3)
+    score = _key_scores(score_ptr, t, lane, live, score_offset, TABLE_SCORES)
     # the last key the list stored and its slot: copies of a key often follow each other
     last_key = tl.full(offs.shape, -9223372036854775807 - 1, tl.int64)
     last_slot = tl.zeros(offs.shape, dtype=tl.int64)
     stored = live & False
     pending = live
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        score = _key_scores(score_ptr, t, lane, pending, score_offset, TABLE_SCORES)
+        # the next key of the list is read while this one is placed: the list's trips to
+        # memory for it then overlap this key's scan
+        more = pending & (link < -3)
+        next_lane = tl.where(more, -4 - link, lane)
+        next_key = tl.load(query_ptr + next_lane, mask=more, other=0)
+        next_link = tl.load(slot_ptr + next_lane, mask=more, other=-3)
+        next_score = _key_scores(score_ptr, t, next_lane, more, score_offset, TABLE_SCORES)
         digest = _digest(h)
         same = pending & (key == last_key)
         probing = pending & stored & ~same  # the list stored other keys: one may be this one
         words = _digest_words(digests_base, bucket, probing, BUCKET, ALIGN, ".cg", 0, 0, "")
+        # the bucket's scores are scanned while the digests are on their way, before the
+        # probe tells whether the key needs a row (a key found in its list is rare)
+        lowest, victim_col = _lowest_score(score_row, mark_row, pending & ~same, call, BUCKET, SCORE_CHUNK, False)
         col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
         found = same | (probing & (col < BUCKET))
         hit_slot = tl.where(same, last_slot, bucket * BUCKET + col)
         tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
         choosing = pending & ~found
-        lowest, victim_col = _victim_column(score_row, mark_row, choosing, call, BUCKET)
+        lowest, victim_col = _victim_column(score_row, mark_row, lowest, victim_col, choosing, call, BUCKET)
         evicting = choosing & (victim_col < BUCKET) & (lowest <= score)
         target = bucket * BUCKET + victim_col
         if VICTIMS:
@@ -531,11 +540,7 @@ def _evict_lists(
             tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=evicting, sem="relaxed")
             tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=evicting, sem="relaxed")
             tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicting, sem="relaxed")
-        # the next key of the list
-        pending = pending & (link < -3)
-        lane = tl.where(pending, -4 - link, lane)
-        key = tl.load(query_ptr + lane, mask=pending, other=0)
-        link = tl.load(slot_ptr + lane, mask=pending, other=-3)
+        pending, lane, key, link, score = more, next_lane, next_key, next_link, next_score
         h = _hash(key)
     tl.store(head, tl.zeros(offs.shape, dtype=tl.int64), mask=live)
 
