@@ -74,6 +74,17 @@ def prepare(kernel, n_args: int, **kwargs) -> Prepared:
     return prepared
 
 
+def cdiv(n: int, d: int) -> int:
+    """Ceiling division, for grids on the host: Triton's own cdiv is made to be called from
+    kernels too, and a call from the host costs microseconds."""
+    return -(-n // d)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1), as Triton's, on the host."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), where args are the first parameters in order and
     kwargs name every other parameter, then launch options (num_warps, maxnreg, ...)."""

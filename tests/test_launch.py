@@ -24,7 +24,7 @@ def test_launch_matches_the_plain_launch_across_alignments_sizes_and_constants()
     for _ in range(2):
         for x, n, a, shift in cases:
             y = torch.full((n + 1,), -1.0, device=DEVICE)
-            launches.launch(_axpy_kernel, (triton.cdiv(n, 64),), x, y, n, a, BLOCK=64, SHIFT=shift)
+            launches.launch(_axpy_kernel, (launches.cdiv(n, 64),), x, y, n, a, BLOCK=64, SHIFT=shift)
             assert torch.equal(y[:n], x[:n] * a + shift) and y[n] == -1.0
     if DEVICE == "cuda":
         def compiled() -> int:
@@ -62,3 +62,13 @@ def test_prepare_refuses_runtime_parameters_among_the_constants():
     with pytest.raises(TypeError, match="_axpy_kernel: parameters after the first 2 must be constexprs"):
         launches.prepare(_axpy_kernel, 2, n=64, a=2.0, BLOCK=64, SHIFT=1)
     assert launches.prepare(_axpy_kernel, 4, BLOCK=64, SHIFT=1).rest == (64, 1)
+
+
+def test_host_grid_arithmetic_matches_tritons():
+    """cdiv and next_power_of_2, which grids use on the host, agree with Triton's."""
+    for n in range(0, 300):
+        for d in (1, 3, 8, 64, 256):
+            assert launches.cdiv(n, d) == triton.cdiv(n, d)
+        if n:
+            assert launches.next_power_of_2(n) == triton.next_power_of_2(n)
+    assert launches.cdiv(2**40 + 1, 2**20) == 2**20 + 1 and launches.next_power_of_2(2**40 + 1) == 2**41

@@ -25,9 +25,8 @@ of an id's copies are summed in another order (the same sum to rounding).
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from ..launch import launch
+from ..launch import cdiv, launch, next_power_of_2
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .multi_table_kernels import (
     _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
@@ -189,21 +188,21 @@ class _Group:
                 m.table.placements += 1  # the claim below inserts and evicts
             slots, inserted = self._claim(r)
             launch(
-                _init_rows_kernel, (triton.cdiv(n, LANE_BLOCK),),
+                _init_rows_kernel, (cdiv(n, LANE_BLOCK),),
                 r.keys, r.tids, slots, inserted.view(torch.int8), r.count, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
-                self.row_stride, BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, triton.next_power_of_2(self.dim)),
+                self.row_stride, BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, next_power_of_2(self.dim)),
             )
         else:
             slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
         self._rows(r, slots, counted=train)
-        dim_block = min(128, triton.next_power_of_2(self.dim))
+        dim_block = min(128, next_power_of_2(self.dim))
         launch(
-            _gather_kernel, (triton.cdiv(n, GATHER_BLOCK),),
+            _gather_kernel, (cdiv(n, GATHER_BLOCK),),
             r.number, r.rows, n, self._descriptors(), out, self.dim, self.row_stride, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
             num_warps=GATHER_WARPS,
         )
         launch(
-            _fresh_rows_kernel, resident_grid(triton.cdiv(n, GATHER_BLOCK), self.device, FRESH_PROGRAMS),
+            _fresh_rows_kernel, resident_grid(cdiv(n, GATHER_BLOCK), self.device, FRESH_PROGRAMS),
             r.number, r.rows, r.keys, r.tids, n, r.rowless, self._seeds, self._scales, out, self.dim, BLOCK=GATHER_BLOCK,
             DIM_BLOCK=dim_block, num_warps=GATHER_WARPS,
         )
@@ -241,7 +240,7 @@ class _Group:
         """Sets r.rows from the segments' slots; counted (train or not): also counts the
         lookup in the members' statistics."""
         launch(
-            _segment_rows_kernel, (triton.cdiv(slots.numel(), SCAN_BLOCK),),
+            _segment_rows_kernel, (cdiv(slots.numel(), SCAN_BLOCK),),
             r.tids, slots, r.count, r.rows, r.rowless, self._counts, self._inserting, len(self.members),
             BLOCK=SCAN_BLOCK, COUNT=counted is not None, TRAIN=bool(counted),
         )
@@ -250,7 +249,7 @@ class _Group:
         """Numbers the lanes by segment, one per distinct (table, id): each lane's taker,
         the first lane with its id (_distinct_kernel), then the takers in lane order."""
         n = keys.numel()
-        size = triton.next_power_of_2(2 * n)  # the map at most half full
+        size = next_power_of_2(2 * n)  # the map at most half full
         # one zeroed buffer for the map, the count of segments and the rowless flag; one
         # allocation for the per-lane and one for the per-segment arrays (an allocation
         # took 4.5 us of host time on a lent H100 machine)
@@ -258,13 +257,13 @@ class _Group:
         count, rowless = scratch[size : size + 1], scratch[size + 1 : size + 2]
         number, first = torch.empty(2, n, dtype=torch.int32, device=self.device).unbind()
         launch(
-            _distinct_kernel, (triton.cdiv(n, DISTINCT_BLOCK),),
+            _distinct_kernel, (cdiv(n, DISTINCT_BLOCK),),
             keys, tids, n, scratch, size - 1, number, first, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
         )
         ranks = torch.cumsum(first, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
         seg_keys, seg_tids, rows = torch.empty(3, n, dtype=torch.int64, device=self.device).unbind()
         launch(
-            _number_kernel, (triton.cdiv(n, SCAN_BLOCK),),
+            _number_kernel, (cdiv(n, SCAN_BLOCK),),
             number, ranks, keys, tids, n, seg_keys, seg_tids, count, BLOCK=SCAN_BLOCK,
         )
         return _Routing(ids, number, count, seg_keys, seg_tids, rows, rowless)
@@ -294,19 +293,19 @@ class _Group:
         seg, order = torch.sort(r.number, stable=True)
         starts = torch.empty(n, dtype=torch.int64, device=self.device)
         partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
-        dim_block = triton.next_power_of_2(self.dim)
+        dim_block = next_power_of_2(self.dim)
         launch(
-            _segments_kernel, (triton.cdiv(n, 256),),
+            _segments_kernel, (cdiv(n, 256),),
             seg, n, starts, partial, self.dim, LONG=LONG_SEGMENT, BLOCK=256, DIM=dim_block,
         )
         block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
         launch(
-            _long_segment_sum_kernel, resident_grid(triton.cdiv(n, SUM_TILE), self.device, SUM_PROGRAMS),
+            _long_segment_sum_kernel, resident_grid(cdiv(n, SUM_TILE), self.device, SUM_PROGRAMS),
             order, seg, starts, r.rows, n, grad_ptrs, lane_bounds, partial, self.dim,
             LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
         )
         launch(
-            _segment_update_kernel, resident_grid(triton.cdiv(n, block), self.device, UPDATE_PROGRAMS),
+            _segment_update_kernel, resident_grid(cdiv(n, block), self.device, UPDATE_PROGRAMS),
             order, starts, r.rows, r.count, n, grad_ptrs, lane_bounds, partial, self._descriptors(), self.dim,
             self.row_stride, **optimizer_args(self.optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
             num_warps=UPDATE_WARPS,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
+from ..launch import launch, next_power_of_2
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import _initial_embedding
 from .triton_table import TritonHashTable, _grid, claim, copy_rows, probe
@@ -70,7 +70,7 @@ def swap_in(
         launch(
             _initial_rows_kernel, _grid(n, INIT_BLOCK),
             keys, host_slots, slots, inserted.view(torch.int8), rows, n, seed, scale, dim, device.row_dim, BLOCK=INIT_BLOCK,
-            DIM_BLOCK=min(64, triton.next_power_of_2(dim)),
+            DIM_BLOCK=min(64, next_power_of_2(dim)),
         )
     promoted = inserted & (host_slots >= 0)
     host._clear(torch.where(promoted, host_slots, -1))  # their rows are in `rows` now

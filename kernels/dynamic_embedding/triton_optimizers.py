@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
+from ..launch import cdiv, launch, next_power_of_2
 from .optimizers import OptimizerConfig
 from .triton_table import ROW_ALIGN
 
@@ -109,9 +109,9 @@ def fused_update(cfg: OptimizerConfig, values: torch.Tensor, slots: torch.Tensor
         return
     if values.dtype != torch.float32:
         raise TypeError("the fused update needs float32 rows")
-    block = max(1, min(64, UPDATE_ELEMENTS // triton.next_power_of_2(dim)))
+    block = max(1, min(64, UPDATE_ELEMENTS // next_power_of_2(dim)))
     launch(
-        _update_kernel, (triton.cdiv(n, block),),
+        _update_kernel, (cdiv(n, block),),
         values, slots.contiguous(), grads.contiguous().to(torch.float32), n, dim, values.stride(0),
-        **optimizer_args(cfg), BLOCK=block, DIM=triton.next_power_of_2(dim), num_warps=UPDATE_WARPS,
+        **optimizer_args(cfg), BLOCK=block, DIM=next_power_of_2(dim), num_warps=UPDATE_WARPS,
     )

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch, launch_each, prepare
+from ..launch import cdiv, launch, launch_each, next_power_of_2, prepare
 from .host_memory import host_mapped
 from .hashing import EMPTY_KEY
 from .table import MISSING, Evicted, ReferenceHashTable, reserved_key_error
@@ -719,7 +719,7 @@ def new_call() -> int:
 
 
 def _grid(n: int, block: int) -> tuple[int]:
-    return (max(1, triton.cdiv(n, block)),)
+    return (max(1, cdiv(n, block)),)
 
 
 # keys per block and warps: small programs keep more memory requests in flight. H100
@@ -773,7 +773,7 @@ def _multiprocessors(index: int) -> int:
 def _find_launch(n_args: int, bucket_size: int, out_dim: int, gather: bool, multi: bool, counted: bool, found: bool):
     """probe's launch of _find_kernel on n_args arguments, prepared."""
     return prepare(
-        _find_kernel, n_args, BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, triton.next_power_of_2(max(out_dim, 1))),
+        _find_kernel, n_args, BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, next_power_of_2(max(out_dim, 1))),
         GATHER=gather, MULTI=multi, ALIGN=min(bucket_size, 16), COUNTED=counted, FOUND=found, num_warps=FIND_WARPS,
     )
 
@@ -820,14 +820,14 @@ def claim(
     every key stored gets its row (of copies of a key, one's). victims=False: the caller
     drops the victims (evicted, victim_keys and victim_scores come back None)."""
     n = keys.numel()
-    flag_words = triton.cdiv(2 * n, 8)
+    flag_words = cdiv(2 * n, 8)
     out = keys.new_empty((3 * n if victims else n) + flag_words)  # (int64, as keys)
     if n:
         if count is None:
             first, second = _grid(n, PLACE_BLOCK), _grid(n, EVICT_BLOCK * EVICT_SPAN)
         else:
-            first = resident_grid(triton.cdiv(n, GROUP_PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
-            second = resident_grid(triton.cdiv(n, EVICT_BLOCK * EVICT_SPAN), keys.device, EVICT_PROGRAMS)
+            first = resident_grid(cdiv(n, GROUP_PLACE_BLOCK), keys.device, PLACE_PROGRAMS)
+            second = resident_grid(cdiv(n, EVICT_BLOCK * EVICT_SPAN), keys.device, EVICT_PROGRAMS)
         d = rows.shape[1] if rows is not None else 0
         # the host's time to issue the launches is time the device waits (a first phase
         # that only probes ends before the host issues the second): the arguments are read
@@ -859,7 +859,7 @@ def _claim_launches(
     constants and options)."""
     constants = dict(
         BUCKET=bucket_size, MULTI=multi, TABLE_SCORES=table_scores, COUNT=counts, ALIGN=min(bucket_size, 16),
-        COUNTED=counted, REFUSE=refuse, ROWS=rows, DIM_BLOCK=min(CLAIM_DIM_BLOCK, triton.next_power_of_2(max(d, 1))),
+        COUNTED=counted, REFUSE=refuse, ROWS=rows, DIM_BLOCK=min(CLAIM_DIM_BLOCK, next_power_of_2(max(d, 1))),
         VICTIMS=victims,
     )
     place, place_warps = (GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS) if counted else (PLACE_BLOCK, PLACE_WARPS)
@@ -891,7 +891,7 @@ def copy_rows(
         src, src_slots if src_slots is not None else src, src.stride(0), dst, dst_slots if dst_slots is not None else dst,
         dst.stride(0), n, width, marks if marks is not None else dst, SRC_SLOTS=src_slots is not None,
         DST_SLOTS=dst_slots is not None, WHOLE=whole_rows, ELECT=marks is not None, BLOCK=FIND_BLOCK,
-        DIM_BLOCK=min(128, triton.next_power_of_2(dst.stride(0))), num_warps=FIND_WARPS,
+        DIM_BLOCK=min(128, next_power_of_2(dst.stride(0))), num_warps=FIND_WARPS,
     )
 
 
@@ -1133,6 +1133,6 @@ class TritonHashTable(ReferenceHashTable):
             launch(
                 _export_kernel, (n_blocks,),
                 self.keys, self.scores, self.values, self.capacity, ms, starts, keys, values, scores, self.row_dim, self.row_stride,
-                BLOCK=self.EXPORT_BLOCK, DIM_BLOCK=min(64, triton.next_power_of_2(self.row_dim)), FILTER=filt,
+                BLOCK=self.EXPORT_BLOCK, DIM_BLOCK=min(64, next_power_of_2(self.row_dim)), FILTER=filt,
             )
         return keys, values, scores
