@@ -220,7 +220,8 @@ def _victim_column(score_row, mark_row, lowest, victim, choosing, call, BUCKET: 
     lowest (score, column) among rows not used by `call`, column BUCKET if every row is
     used. The marks are read only where needed: the whole bucket's lowest is the answer
     unless a row the call used holds it, which is rare (a row a call uses gets the call's
-    score, under LRU the highest). That reads 1 KB of a bucket of 128 instead of 1.5 KB."""
+    score, under LRU the highest). So the caller's scan reads the scores alone, 1 KB of a
+    bucket of 128 instead of 1.5 KB with the marks."""
     used = choosing & (victim < BUCKET)
     used = used & (tl.load(mark_row + victim, mask=used, other=0, cache_modifier=".cg") == call)
     if tl.max(used.to(tl.int32), axis=0) > 0:
