@@ -92,8 +92,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     runtime = _runtime_params(kernel)
-    if len(args) < runtime:  # runtime parameters named: they join args, and kwargs keep constants only
-        kwargs = dict(kwargs)
+    # runtime parameters named: they join args, and kwargs (this call's own dict) keeps constants only
+    if len(args) < runtime:
         args = (*args, *(kwargs.pop(name) for name in kernel.arg_names[len(args) : runtime]))
     launch_each(args, ((grid, prepare(kernel, len(args), **kwargs)),))
 
