@@ -264,14 +264,16 @@ def keys_in_bucket(bucket: int, num_buckets: int, count: int, start: int) -> tor
 
 @pytest.mark.parametrize("call", ["find_or_insert", "find_or_insert_values", "insert_or_assign"])
 @pytest.mark.parametrize("returning", [True, False])
-def test_keys_waiting_on_a_full_bucket_take_its_rows_in_turn(call, returning):
+@pytest.mark.parametrize("dim", [3, 130])
+def test_keys_waiting_on_a_full_bucket_take_its_rows_in_turn(call, returning, dim):
     """At max capacity every new key of a full bucket waits for the eviction launch, where
     one program takes the bucket's waiting keys one after the other: copies of a new key
     share one row, rows the call uses are never taken, keys past the bucket's unused rows
-    are not stored, and the next call starts clean."""
-    t = TritonHashTable(row_dim=3, capacity=16, max_capacity=16, bucket_size=8, device=DEVICE, deterministic=False)
+    are not stored, and the next call starts clean. (Rows of 130 values: wider than the
+    part of a row the eviction reads ahead.)"""
+    t = TritonHashTable(row_dim=dim, capacity=16, max_capacity=16, bucket_size=8, device=DEVICE, deterministic=False)
     old, other = keys_in_bucket(0, 2, 8, 0), keys_in_bucket(1, 2, 8, 0)
-    t.insert_or_assign(torch.cat([old, other]), torch.zeros(16, 3, device=DEVICE), torch.zeros(16, dtype=torch.int64, device=DEVICE))
+    t.insert_or_assign(torch.cat([old, other]), torch.zeros(16, dim, device=DEVICE), torch.zeros(16, dtype=torch.int64, device=DEVICE))
     assert t.size() == 16
     used = old[:2]
     g = torch.Generator().manual_seed(0)
@@ -279,7 +281,7 @@ def test_keys_waiting_on_a_full_bucket_take_its_rows_in_turn(call, returning):
         new = keys_in_bucket(0, 2, distinct, 1000 * step)
         keys = torch.cat([new.repeat(3), used, other])  # with found keys of the other bucket, all interleaved
         keys = keys[torch.randperm(len(keys), generator=g).to(DEVICE)]
-        rows = torch.randn(len(keys), 3, device=DEVICE)
+        rows = torch.randn(len(keys), dim, device=DEVICE)
         scores = torch.full_like(keys, step)
         before = stored_rows(t)
         if call == "insert_or_assign":

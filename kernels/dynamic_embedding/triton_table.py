@@ -187,60 +187,23 @@ def _find_column(
     return col, empty
 
 
-# columns of a bucket that the eviction reads at a time: fewer values in registers for the
-# claim kernel's second phase (scores and marks; scores alone)
-VICTIM_CHUNK, SCORE_CHUNK = tl.constexpr(32), tl.constexpr(64)
-
-
 @triton.jit
-def _lowest_score(score_row, mark_row, choosing, call, BUCKET: tl.constexpr, CHUNK: tl.constexpr, MARKS: tl.constexpr):
-    """For lanes choosing: the lowest (score, column) of the bucket, among the rows not used
-    by `call` if MARKS, as (score, column); column BUCKET if there is none. CHUNK columns
-    at a time."""
-    lowest = tl.full(choosing.shape, 9223372036854775807, tl.int64)
-    victim = tl.full(choosing.shape, BUCKET, tl.int32)
-    for c in range(0, BUCKET, CHUNK):
-        cols = c + tl.arange(0, CHUNK)[None, :]
-        on = choosing[:, None] & (cols < BUCKET)
-        scores = tl.load(score_row[:, None] + cols, mask=on, other=9223372036854775807, cache_modifier=".cg")
-        if MARKS:  # (loaded with the scores: a score load masked by the marks would wait for them)
-            on = on & (tl.load(mark_row[:, None] + cols, mask=on, other=call, cache_modifier=".cg") != call)
-            scores = tl.where(on, scores, 9223372036854775807)
-        low = tl.min(scores, axis=1)
-        at = tl.min(tl.where(on & (scores == low[:, None]), cols, BUCKET), axis=1)
-        better = (at < BUCKET) & ((low < lowest) | (victim == BUCKET))  # ties keep the lower column
-        victim = tl.where(better, at, victim)
-        lowest = tl.where(better, low, lowest)
-    return lowest, victim
-
-
-@triton.jit
-def _victim_column(score_row, mark_row, lowest, victim, choosing, call, BUCKET: tl.constexpr):
-    """For lanes choosing, given the lowest (score, column) of their whole bucket: the
-    lowest (score, column) among rows not used by `call`, column BUCKET if every row is
-    used. The marks are read only where needed: the whole bucket's lowest is the answer
-    unless a row the call used holds it, which is rare (a row a call uses gets the call's
-    score, under LRU the highest). So the caller's scan reads the scores alone, 1 KB of a
-    bucket of 128 instead of 1.5 KB with the marks."""
-    used = choosing & (victim < BUCKET)
-    used = used & (tl.load(mark_row + victim, mask=used, other=0, cache_modifier=".cg") == call)
-    if tl.max(used.to(tl.int32), axis=0) > 0:
-        low, at = _lowest_score(score_row, mark_row, used, call, BUCKET, VICTIM_CHUNK, True)
-        lowest = tl.where(used, low, lowest)
-        victim = tl.where(used, at, victim)
-    return lowest, victim
+def _buf_rows(buf_ptr, lane, lanes, row_dim, TILE: tl.constexpr):
+    """For lanes: the first TILE values of rows `lane` of buf (N, row_dim), (lanes, TILE)."""
+    cols = tl.arange(0, TILE)[None, :]
+    return tl.load(buf_ptr + lane[:, None].to(tl.int64) * row_dim + cols, mask=lanes[:, None] & (cols < row_dim))
 
 
 @triton.jit
 def _lane_rows(
     values_base, slot, row_stride, buf_ptr, offs, lanes, row_dim, TO_TABLE: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    CACHE: tl.constexpr,
+    CACHE: tl.constexpr, FIRST: tl.constexpr,
 ):
-    """For lanes: the first row_dim values of the table row at `slot` to row offs of buf
+    """For lanes: values FIRST .. row_dim - 1 of the table row at `slot` to row offs of buf
     (N, row_dim), or back (TO_TABLE). CACHE: the table rows' load cache modifier."""
     row_ptr = tl.multiple_of(values_base + slot * row_stride, ROW_ALIGN)  # rows start 16-element aligned
     buf_row = buf_ptr + offs[:, None].to(tl.int64) * row_dim
-    for c in range(0, row_dim, DIM_BLOCK):
+    for c in range(FIRST, row_dim, DIM_BLOCK):
         cols = c + tl.arange(0, DIM_BLOCK)
         m = lanes[:, None] & (cols[None, :] < row_dim)
         if TO_TABLE:
@@ -279,7 +242,7 @@ def _find_kernel(
         tl.store(slot_ptr + offs, slot, mask=live)
     if GATHER:
         values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(out_ptr.dtype.element_ty))
-        _lane_rows(values_base, slot, row_stride, out_ptr, offs, found, out_dim, False, DIM_BLOCK, "")
+        _lane_rows(values_base, slot, row_stride, out_ptr, offs, found, out_dim, False, DIM_BLOCK, "", 0)
 
 
 @triton.jit(do_not_specialize=["call"])
@@ -468,7 +431,7 @@ def _evict_lists(
     offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr,
     counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, MULTI: tl.constexpr,
     TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    VICTIMS: tl.constexpr, call, score_offset,
+    VICTIMS: tl.constexpr, HISTORY: tl.constexpr, ROW_TILE: tl.constexpr, call, score_offset,
 ):
     """_claim_kernel's phase 1 for the lanes at offs (live) that head their bucket's list of
     waiting keys: each takes the keys of its list in turn, alone in the bucket (no other
@@ -476,7 +439,12 @@ def _evict_lists(
     lowest (score, column) row not used by `call` if that score is <= its own, else is not
     stored (-1); a copy of a key stored before it in the list finds that row instead (no
     key of the list was in the bucket before: phase 0 found it full). Stores each key's
-    slot and flags, and empties the lists' heads."""
+    slot and flags, and empties the lists' heads.
+    The bucket's scores and marks are read once per list and kept in registers, as are the
+    last HISTORY keys the list stored (their copies need no probe of the bucket), and the
+    next key with the first ROW_TILE values of its row of buf is read a step ahead: a
+    key's step waits on memory only for those reads, one trip where a scan of the bucket
+    per key, the mark of its lowest row and its row's copy took about five."""
     t, key, h, bucket = _lane_bucket(offs, live, query_ptr, tid_ptr, desc_ptr, MULTI)
     keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
     digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
@@ -489,52 +457,69 @@ def _evict_lists(
     lane = offs.to(tl.int64)
     link = tl.load(slot_ptr + lane, mask=live, other=-3)
     score = _key_scores(score_ptr, t, lane, live, score_offset, TABLE_SCORES)
-    # the last key the list stored and its slot: copies of a key often follow each other
-    last_key = tl.full(offs.shape, -9223372036854775807 - 1, tl.int64)
-    last_slot = tl.zeros(offs.shape, dtype=tl.int64)
-    stored = live & False
+    if ROWS != 0:
+        row = _buf_rows(buf_ptr, lane, live, row_dim, ROW_TILE)
+    # rows free to take: not used by this call (phase 0's found and inserted rows are
+    # marked), nor taken by a key of the list
+    cols = tl.arange(0, BUCKET)[None, :]
+    row_scores = tl.load(score_row[:, None] + cols, mask=live[:, None], other=0, cache_modifier=".cg")
+    free = tl.load(mark_row[:, None] + cols, mask=live[:, None], other=call, cache_modifier=".cg") != call
+    # the keys the list stored last and their slots, a ring by count of keys stored
+    ring = tl.arange(0, HISTORY)[None, :]
+    kept_key = tl.full([offs.shape[0], HISTORY], -9223372036854775807 - 1, tl.int64)  # the reserved key: never waits
+    kept_slot = tl.zeros([offs.shape[0], HISTORY], dtype=tl.int64)
+    stored = tl.zeros(offs.shape, dtype=tl.int32)
     pending = live
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        # the next key of the list is read while this one is placed: the list's trips to
-        # memory for it then overlap this key's scan
+        # the next key of the list is read while this one is placed
         more = pending & (link < -3)
         next_lane = tl.where(more, -4 - link, lane)
         next_key = tl.load(query_ptr + next_lane, mask=more, other=0)
         next_link = tl.load(slot_ptr + next_lane, mask=more, other=-3)
         next_score = _key_scores(score_ptr, t, next_lane, more, score_offset, TABLE_SCORES)
+        if ROWS != 0:  # FETCH and ASSIGN: the key's row of buf goes in
+            next_row = _buf_rows(buf_ptr, next_lane, more, row_dim, ROW_TILE)
         digest = _digest(h)
-        same = pending & (key == last_key)
-        probing = pending & stored & ~same  # the list stored other keys: one may be this one
-        words = _digest_words(digests_base, bucket, probing, BUCKET, ALIGN, ".cg", 0, 0, "")
-        # the bucket's scores are scanned while the digests are on their way, before the
-        # probe tells whether the key needs a row (a key found in its list is rare)
-        lowest, victim_col = _lowest_score(score_row, mark_row, pending & ~same, call, BUCKET, SCORE_CHUNK, False)
-        col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
-        found = same | (probing & (col < BUCKET))
-        hit_slot = tl.where(same, last_slot, bucket * BUCKET + col)
-        tl.atomic_max(scores_base + hit_slot, score, mask=found, sem="relaxed")
-        choosing = pending & ~found
-        lowest, victim_col = _victim_column(score_row, mark_row, lowest, victim_col, choosing, call, BUCKET)
-        evicting = choosing & (victim_col < BUCKET) & (lowest <= score)
-        target = bucket * BUCKET + victim_col
+        kept = pending[:, None] & (kept_key == key[:, None])
+        copy = tl.max(kept.to(tl.int32), axis=1) > 0
+        hit_slot = tl.sum(tl.where(kept, kept_slot, 0), axis=1)
+        probing = pending & ~copy & (stored > HISTORY)  # a key stored before the history's
+        if tl.max(probing.to(tl.int32), axis=0) > 0:
+            tl.debug_barrier()  # the keys and digests this program stored (other threads)
+            words = _digest_words(digests_base, bucket, probing, BUCKET, ALIGN, ".cg", 0, 0, "")
+            col = _key_column(key_row, key, _bytes_equal(words, digest), BUCKET, ".cg")
+            copy = copy | (probing & (col < BUCKET))
+            hit_slot = tl.where(probing, bucket * BUCKET + col, hit_slot)
+        tl.atomic_max(scores_base + hit_slot, score, mask=copy, sem="relaxed")
+        # the lowest (score, column) free row: ties keep the lower column
+        low = tl.min(tl.where(free, row_scores, 9223372036854775807), axis=1)
+        victim = tl.min(tl.where(free & (row_scores == low[:, None]), cols, BUCKET), axis=1)
+        evicting = pending & ~copy & (victim < BUCKET) & (low <= score)
+        free = free & ~(evicting[:, None] & (cols == victim[:, None]))
+        target = bucket * BUCKET + victim
         if VICTIMS:
             old_key = tl.load(keys_base + target, mask=evicting, other=0, cache_modifier=".cg")
             tl.store(victim_key_ptr + lane, old_key, mask=evicting)
-            tl.store(victim_score_ptr + lane, lowest, mask=evicting)
+            tl.store(victim_score_ptr + lane, low, mask=evicting)
             tl.store(evicted_ptr + lane, tl.full(offs.shape, 1, tl.int8), mask=evicting)
         tl.store(marks + target, tl.full(offs.shape, call, tl.int32), mask=evicting)
         tl.store(scores_base + target, score, mask=evicting)
         tl.store(digests_base + target, digest, mask=evicting)
         tl.store(keys_base + target, key, mask=evicting)
-        if ROWS != 0:  # FETCH and ASSIGN: the key's row of buf goes in
-            _lane_rows(values_base, target, row_stride, buf_ptr, lane, evicting, row_dim, True, DIM_BLOCK, "")
-        last_key = tl.where(evicting, key, last_key)
-        last_slot = tl.where(evicting, target, last_slot)
-        stored = stored | evicting
-        tl.debug_barrier()  # marks and rows in, for the next keys' scans and copies (other threads)
-        if ROWS == FETCH:  # a copy gets its key's row (stored by this program: read through L2)
-            _lane_rows(values_base, hit_slot, row_stride, buf_ptr, lane, found, row_dim, False, DIM_BLOCK, ".cg")
-        tl.store(slot_ptr + lane, tl.where(found, hit_slot, tl.where(evicting, target, -1)), mask=pending)
+        if ROWS != 0:
+            tile = tl.arange(0, ROW_TILE)[None, :]
+            tl.store(values_base + target[:, None] * row_stride + tile, row, mask=evicting[:, None] & (tile < row_dim))
+            if row_dim > ROW_TILE:
+                _lane_rows(values_base, target, row_stride, buf_ptr, lane, evicting, row_dim, True, DIM_BLOCK, "", ROW_TILE)
+        put = evicting[:, None] & (ring == (stored % HISTORY)[:, None])
+        kept_key = tl.where(put, key[:, None], kept_key)
+        kept_slot = tl.where(put, target[:, None], kept_slot)
+        stored += evicting.to(tl.int32)
+        if ROWS == FETCH:  # a copy gets its key's row
+            if tl.max(copy.to(tl.int32), axis=0) > 0:
+                tl.debug_barrier()  # the rows this program stored (other threads)
+                _lane_rows(values_base, hit_slot, row_stride, buf_ptr, lane, copy, row_dim, False, DIM_BLOCK, ".cg", 0)
+        tl.store(slot_ptr + lane, tl.where(copy, hit_slot, tl.where(evicting, target, -1)), mask=pending)
         tl.store(inserted_ptr + lane, tl.full(offs.shape, 1, tl.int8), mask=evicting)
         if COUNT:
             ones = tl.full(offs.shape, 1, tl.int64)
@@ -542,6 +527,8 @@ def _evict_lists(
             tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=evicting, sem="relaxed")
             tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicting, sem="relaxed")
         pending, lane, key, link, score = more, next_lane, next_key, next_link, next_score
+        if ROWS != 0:
+            row = next_row
         h = _hash(key)
     tl.store(head, tl.zeros(offs.shape, dtype=tl.int64), mask=live)
 
@@ -552,6 +539,7 @@ def _claim_kernel(
     buf_ptr, row_dim, row_stride, score_offset, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
     COUNTED: tl.constexpr, REFUSE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr, VICTIMS: tl.constexpr,
+    LISTS: tl.constexpr, HISTORY: tl.constexpr, ROW_TILE: tl.constexpr,
 ):
     """Fast find_or_insert in two launches. PHASE 0: each key looks for itself (found: its
     score is raised to the key's and its row marked used by `call`), else takes its
@@ -580,8 +568,9 @@ def _claim_kernel(
     Each program takes a run of consecutive blocks of BLOCK keys, its share of the batch
     (a grid smaller than the batch serves a device count, which leaves most of a grid
     sized for the batch without work). In phase 1 a program takes chunks of SPAN blocks
-    and gathers each chunk's list heads into full blocks: a block costs one chain of trips
-    to memory however few of its lanes lead. Outputs, all in out (int64, one allocation:
+    and gathers each chunk's list heads, LISTS at a time (a step costs one chain of trips
+    to memory however few of its lanes lead). HISTORY and ROW_TILE: see _evict_lists.
+    Outputs, all in out (int64, one allocation:
     the host's time to make tensors before the first launch is time the device waits):
     the slots (n); with VICTIMS the evicted keys and their scores (2, n); then flags (2, n)
     int8, whether each key was inserted and whether it evicted (phase 0 writes both for
@@ -615,7 +604,7 @@ def _claim_kernel(
             if VICTIMS:
                 tl.store(evicted_ptr + offs, tl.zeros(offs.shape, dtype=tl.int8), mask=live)
             if ROWS == FETCH:
-                _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK, "")
+                _lane_rows(values_base, slot, row_stride, buf_ptr, offs, inserted != 0, row_dim, True, DIM_BLOCK, "", 0)
             if ROWS == ASSIGN:
                 # the first of a slot's lanes (copies of a key) to swap its mark to this call
                 # writes the row alone: copies writing at once could mix their columns
@@ -623,7 +612,7 @@ def _claim_kernel(
                 # (the marks' address is read here: live across the loop it takes 5 more registers)
                 marks = _field(desc_ptr, 0, _MARKS).to(tl.pointer_type(tl.int32))
                 first = stored & (tl.atomic_xchg(marks + slot, tl.full(offs.shape, call, tl.int32), mask=stored, sem="relaxed") != call)
-                _lane_rows(values_base, slot, row_stride, buf_ptr, offs, first, row_dim, True, DIM_BLOCK, "")
+                _lane_rows(values_base, slot, row_stride, buf_ptr, offs, first, row_dim, True, DIM_BLOCK, "", 0)
             if not flagged and tl.max((slot <= -3).to(tl.int32), axis=0) > 0:
                 tl.store(waits_ptr, call.to(tl.int64))
                 flagged = True
@@ -646,7 +635,7 @@ def _claim_kernel(
                         offs = (chunk * SPAN + b) * BLOCK + tl.arange(0, BLOCK)
                         slot = tl.load(slot_ptr + offs, mask=offs < n, other=-1)
                         old = (slot >= 0) & (tl.load(inserted_ptr + offs, mask=offs < n, other=1) == 0)
-                        _lane_rows(values_base, slot, row_stride, buf_ptr, offs, old, row_dim, False, DIM_BLOCK, "")
+                        _lane_rows(values_base, slot, row_stride, buf_ptr, offs, old, row_dim, False, DIM_BLOCK, "", 0)
             if tl.max(waiting.to(tl.int32), axis=0) > 0:
                 # the heads of the chunk's lists
                 t, _, _, bucket = _lane_bucket(lanes, waiting, query_ptr, tid_ptr, desc_ptr, MULTI)
@@ -654,17 +643,17 @@ def _claim_kernel(
                 leading = waiting & (head == lanes + 1)
                 count = tl.sum(leading.to(tl.int32), axis=0)
                 rank = tl.cumsum(leading.to(tl.int32), axis=0) - 1
-                for j in range(0, count, BLOCK):
-                    # the lanes of heads j .. j + BLOCK - 1 of the chunk (idle lanes take any lane of it)
-                    r = j + tl.arange(0, BLOCK)
+                for j in range(0, count, LISTS):
+                    # the lanes of heads j .. j + LISTS - 1 of the chunk (idle lanes take any lane of it)
+                    r = j + tl.arange(0, LISTS)
                     pick = leading[None, :] & (rank[None, :] == r[:, None])
                     live = r < count
-                    spare = tl.minimum(chunk * CHUNK + tl.arange(0, BLOCK), n - 1)
+                    spare = tl.minimum(chunk * CHUNK + tl.arange(0, LISTS), n - 1)
                     offs = tl.where(live, tl.sum(tl.where(pick, lanes[None, :], 0), axis=1), spare)
                     _evict_lists(
                         offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr,
                         victim_score_ptr, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES,
-                        COUNT, ALIGN, ROWS, DIM_BLOCK, VICTIMS, call, score_offset,
+                        COUNT, ALIGN, ROWS, DIM_BLOCK, VICTIMS, HISTORY, ROW_TILE, call, score_offset,
                     )
 
 
@@ -733,19 +722,26 @@ FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
 # found): H100, grouped SGD step, us of that launch (profiler, two rounds) 16/2 117,
 # 8/1 121-125
 GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS = 16, 2
-# the claim's eviction phase: keys per block, blocks per chunk (whose list heads it gathers
-# into full blocks), warps. H100, λ 1.0, dim 128, kernel time of find_or_insert_values /
-# insert_or_assign's eviction launch (µs, profiler), at 96 registers: 4/8 818 / 566, 4/16
-# 1004 / 751, 4/32 1331 / 1058, 8/8 1115 / 871, 8/4 991 / 752, 2/16 940 / 676; at 80: 4/4
-# 885 / 614, 2/8 927 / 672. Over a device count (a collection's lookup) its grid is
-# EVICT_PROGRAMS per multiprocessor instead, as is the first phase's (PLACE_PROGRAMS): a
-# grid sized for the batch cost 25 us in the grouped training step.
-EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS, EVICT_PROGRAMS = 4, 8, 1, 128
-# the eviction phase's register cap: fewer registers, more programs resident per
-# multiprocessor, until spills cost more. Same launches as above: 64 860 / 635, 72 822 /
-# 570, 80 794 / 552, 96 818 / 566, 128 867 / 601 (dim 64, 80 against 96: 581 / 456 against
-# 600 / 464)
-EVICT_REGISTERS = 80
+# the claim's eviction phase: keys per block (of the found rows' copy-out), blocks per
+# chunk (whose list heads it gathers), warps; lists an eviction step takes at once; the
+# register cap. H100, λ 1.0, kernel time of find_or_insert_values / insert_or_assign's
+# eviction launch (µs, profiler). Dim 128, block/span 4/8, by lists/registers: 1/80 775 /
+# 425, 1/88 682 / 428, 1/96 656 / 425, 1/104 670 / 445, 1/128 657 / 449, 2/96 741 / 513,
+# 2/128 742 / 501, 4/128 673 / 437, 4/168 667 / 420, 8/255 846 / 513 (the scheme before,
+# a scan per key, 4 lists at 80: 783 / 553); 1/96 by block/span: 8/4 652 / 424, 4/4 634 /
+# 434, 2/16 688 / 426. Dim 64, 1/96: 4/8 511 / 393, 8/4 509 / 388, 4/4 506 / 408 (before:
+# 571 / 460). Over a device count (a collection's lookup) its grid is EVICT_PROGRAMS per
+# multiprocessor instead, as is the first phase's (PLACE_PROGRAMS): a grid sized for the
+# batch cost 25 us in the grouped training step.
+EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS, EVICT_LISTS, EVICT_REGISTERS, EVICT_PROGRAMS = 8, 4, 1, 1, 96, 128
+# how many of the keys a list stored last the eviction keeps, to find their copies without
+# a probe of the bucket (half a bucket at most: a list of a small bucket can then outgrow
+# it, as one of 128 can)
+EVICT_HISTORY = 8
+# columns of a waiting key's row of buf the eviction reads a step ahead, into registers
+# (the rest, if any, moves after the key's row is chosen). Dim 128 as above, 64 columns
+# ahead: 694 / 481
+EVICT_ROW_TILE = 128
 PLACE_PROGRAMS = 32
 # columns of find_or_insert_values' rows the claim moves at a time: wider blocks take more
 # registers (phase 0: 64 columns 72, 128 columns 117). H100, dim 128, λ 0.5, 2^30 keys/s:
@@ -861,7 +857,8 @@ def _claim_launches(
     constants = dict(
         BUCKET=bucket_size, MULTI=multi, TABLE_SCORES=table_scores, COUNT=counts, ALIGN=min(bucket_size, 16),
         COUNTED=counted, REFUSE=refuse, ROWS=rows, DIM_BLOCK=min(CLAIM_DIM_BLOCK, next_power_of_2(max(d, 1))),
-        VICTIMS=victims,
+        VICTIMS=victims, LISTS=EVICT_LISTS, HISTORY=max(1, min(EVICT_HISTORY, bucket_size // 2)),
+        ROW_TILE=min(EVICT_ROW_TILE, next_power_of_2(max(d, 1))),
     )
     place, place_warps = (GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS) if counted else (PLACE_BLOCK, PLACE_WARPS)
     return (
