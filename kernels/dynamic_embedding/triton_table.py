@@ -570,13 +570,13 @@ def _claim_kernel(
     sized for the batch without work). In phase 1 a program takes chunks of SPAN blocks
     and gathers each chunk's list heads, LISTS at a time (a step costs one chain of trips
     to memory however few of its lanes lead). HISTORY and ROW_TILE: see _evict_lists.
-    Outputs, all in out (int64, one allocation:
-    the host's time to make tensors before the first launch is time the device waits):
-    the slots (n); with VICTIMS the evicted keys and their scores (2, n); then flags (2, n)
-    int8, whether each key was inserted and whether it evicted (phase 0 writes both for
-    every key, so nothing needs zeroing). Without VICTIMS neither victims nor the evicted
-    flags are written. Phase 0 stores `call` in the first table's WAITS word if any key
-    waits; phase 1 does nothing otherwise (a fresh call id needs no reset between calls)."""
+    Outputs, all in out (int64, one allocation: the host's time to make tensors before
+    the first launch is time the device waits): the slots (n); with VICTIMS the evicted
+    keys and their scores (2, n); then flags (2, n) int8, whether each key was inserted
+    and whether it evicted (phase 0 writes both for every key, so nothing needs zeroing).
+    Without VICTIMS neither victims nor the evicted flags are written. Phase 0 stores
+    `call` in the first table's WAITS word if any key waits; phase 1 does nothing
+    otherwise (a fresh call id needs no reset between calls)."""
     slot_ptr, victim_key_ptr, victim_score_ptr = out_ptr, out_ptr + n, out_ptr + 2 * n
     inserted_ptr = (out_ptr + (3 * n if VICTIMS else n)).to(tl.pointer_type(tl.int8))
     evicted_ptr = inserted_ptr + n
