@@ -508,7 +508,8 @@ def _evict_lists(
         tl.store(keys_base + target, key, mask=evicting)
         if ROWS != 0:
             tile = tl.arange(0, ROW_TILE)[None, :]
-            tl.store(values_base + target[:, None] * row_stride + tile, row, mask=evicting[:, None] & (tile < row_dim))
+            row_ptr = tl.multiple_of(values_base + target * row_stride, ROW_ALIGN)  # as _lane_rows'
+            tl.store(row_ptr[:, None] + tile, row, mask=evicting[:, None] & (tile < row_dim))
             if row_dim > ROW_TILE:
                 _lane_rows(values_base, target, row_stride, buf_ptr, lane, evicting, row_dim, True, DIM_BLOCK, "", ROW_TILE)
         put = evicting[:, None] & (ring == (stored % HISTORY)[:, None])
