@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import optimizers
 from .hashing import EMPTY_KEY, shard_of, uniform_from_keys
 from .optimizers import OptimizerConfig
-from .table import MISSING, ReferenceHashTable, highest_per_key, sum_by_key
+from .table import MISSING, Evicted, ReferenceHashTable, highest_per_key, sum_by_key
 from .triton_optimizers import fused_update
 from .tiers import swap_in
 from .triton_table import ROW_ALIGN, copy_rows
@@ -142,10 +142,10 @@ class TableStats:
     size: int = 0
     capacity: int = 0
     lookups: int = 0  # unique ids looked up
-    hits: int = 0
-    inserts: int = 0
-    evictions: int = 0
-    rejections: int = 0  # new ids that lost to a full bucket: served, not stored
+    hits: int = 0  # ids found, in either tier
+    inserts: int = 0  # rows made, in either tier
+    evictions: int = 0  # rows no tier kept: pushed out of a full bucket of the last tier
+    rejections: int = 0  # new ids with no room in any tier (full buckets): served, not stored
     promotions: int = 0  # rows moved from host memory to the device (tiered tables)
     demotions: int = 0  # rows moved from the device to host memory
     bytes_device: int = 0
@@ -234,17 +234,23 @@ class DynamicEmbedding:
             if self._swaps:
                 return self._swap_lookup(uniq, uscores)[inverse]
             keep = self._admit(uniq, counts) if self.counters is not None else None
-            kept = uniq if keep is None else uniq[keep]
-            kept_slots, inserted, evicted = self.table.find_or_insert(kept, uscores if keep is None else uscores[keep])
+            kept, kept_scores = (uniq, uscores) if keep is None else (uniq[keep], uscores[keep])
+            kept_slots, inserted, evicted = self.table.find_or_insert(kept, kept_scores)
             new = inserted.nonzero().squeeze(1)
             promoted = 0
             if new.numel():
                 rows, promoted = self._rows_off_device(kept[new], take=True)
                 self.table.values[kept_slots[new]] = rows
-            stored = kept_slots != MISSING
             n_new = inserted.sum()
-            self._counts[1:4] += torch.stack([stored.sum() - n_new + promoted, n_new - promoted, (~stored).sum()])
-            self._demote(evicted)
+            # ids the device tier could not take (their bucket's rows all used by this call,
+            # or of higher scores) keep or get a row in the host tier, trained there
+            rowless = (kept_slots == MISSING).nonzero().squeeze(1)
+            held, made = self._to_host(kept[rowless], kept_scores[rowless], None, evicted)
+            self._counts[1:4] += torch.stack([
+                kept.numel() - rowless.numel() - n_new + promoted + (held & ~made).sum(),  # hits, in either tier
+                n_new - promoted + made.sum(),  # inserts, in either tier
+                (~held).sum(),  # rejections: ids with no row in any tier
+            ])
             slots = kept_slots if keep is None else torch.full_like(uniq, MISSING).masked_scatter_(keep, kept_slots)
         else:
             slots = self.table.find(uniq)
@@ -262,13 +268,18 @@ class DynamicEmbedding:
     def _swap_lookup(self, uniq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """A training lookup's distinct ids through swap_in: embeddings (U, dim)."""
         rows = torch.empty(uniq.numel(), self.config.row_dim, device=self.device)
-        slots, inserted, promoted, demoted, lost = swap_in(self.table, self.host, uniq, scores, rows, self._init)
-        emb = rows[:, : self.dim].contiguous()  # ids without a device row: host or initial row
-        copy_rows(self.table.values, slots, emb, None, self.dim)
-        stored, n_promoted = slots >= 0, promoted.sum()
-        self._counts[0] += uniq.numel()
-        self._counts[1:] += torch.stack([(stored & ~inserted).sum() + n_promoted, (inserted & ~promoted).sum(), (~stored).sum(), lost])
-        self._moves += torch.stack([n_promoted, demoted])
+        s = swap_in(self.table, self.host, uniq, scores, rows, self._init)
+        emb = rows[:, : self.dim].contiguous()  # ids without a device row: their host row
+        copy_rows(self.table.values, s.slots, emb, None, self.dim)
+        stored, n_promoted = s.slots >= 0, s.promoted.sum()
+        self._counts += torch.stack([
+            torch.tensor(uniq.numel(), device=self.device),
+            (stored & ~s.inserted).sum() + n_promoted + (s.held & ~s.made).sum(),  # hits, in either tier
+            (s.inserted & ~s.promoted).sum() + s.made.sum(),  # inserts, in either tier
+            (~stored & ~s.held).sum(),  # rejections: ids with no row in any tier
+            s.lost,
+        ])
+        self._moves += torch.stack([n_promoted, s.demoted])
         return emb
 
     @property
@@ -295,15 +306,31 @@ class DynamicEmbedding:
             self._moves[0] += n
         return rows, n
 
-    def _demote(self, evicted) -> None:
-        """Rows the device tier evicted go to the host tier (without one, they are gone)."""
-        n = evicted.keys.numel()
-        if self.host is None or n == 0:
+    def _to_host(
+        self, keys: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor | None, evicted: Evicted
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call to the host tier for ids without a device row and for the rows the
+        device tier evicted (demoted), so that none of them evicts another's host row. An
+        id found there keeps its row (given `rows` (K, row_dim): takes it) and gets its
+        score; a new one is stored with its row of `rows`, or its initial row. A full
+        host bucket evicts its lowest-score row not used by the call (lost). Returns, for
+        keys, whether each has a host row after the call and whether it was made by it.
+        Without a host tier nothing is stored and evicted rows are lost."""
+        k, n = keys.numel(), evicted.keys.numel()
+        if self.host is None or k + n == 0:
             self._counts[4] += n
-            return
-        self._moves[1] += n
-        lost = self.host.insert_or_assign(evicted.keys, evicted.rows, evicted.scores)
-        self._counts[4] += lost.keys.numel()
+            none = torch.zeros(k, dtype=torch.bool, device=self.device)
+            return none, none
+        slots, inserted, lost = self.host.find_or_insert(torch.cat([keys, evicted.keys]), torch.cat([scores, evicted.scores]))
+        stored = slots != MISSING
+        write = (inserted | stored if rows is not None else inserted).nonzero().squeeze(1)
+        if write.numel():
+            incoming = torch.cat([rows if rows is not None else self.initial_rows(keys), evicted.rows.to(torch.float32)])
+            self.host.values[slots[write]] = incoming[write].to(self.host.dtype)
+        down = stored[k:]
+        self._moves[1] += down.sum()
+        self._counts[4] += (~down).sum() + lost.keys.numel()
+        return stored[:k], inserted[:k]
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Moves the host rows of ids (the next batch's, looked up after this step's update)
@@ -325,17 +352,15 @@ class DynamicEmbedding:
             wanted, scores = in_host, self.host.scores[host_slots.clamp(min=0)]
         if self._swaps:  # ids in neither tier are left out
             rows = torch.empty(uniq.numel(), self.config.row_dim, device=self.device)
-            _, _, promoted, demoted, lost = swap_in(
-                self.table, self.host, torch.where(wanted, uniq, EMPTY_KEY), scores, rows, self._init
-            )
-            self._moves += torch.stack([promoted.sum(), demoted])
-            self._counts[4] += lost
+            s = swap_in(self.table, self.host, torch.where(wanted, uniq, EMPTY_KEY), scores, rows, self._init)
+            self._moves += torch.stack([s.promoted.sum(), s.demoted])
+            self._counts[4] += s.lost
             return
         keys, scores = uniq[wanted], scores[wanted]
         slots, inserted, evicted = self.table.find_or_insert(keys, scores)
         moved = inserted.nonzero().squeeze(1)
         self.table.values[slots[moved]] = self._rows_off_device(keys[moved], take=True)[0]
-        self._demote(evicted)
+        self._to_host(keys[:0], scores[:0], None, evicted)  # rows that stay behind keep their host row
 
     def _scores(self, uniq, counts, inverse, given) -> torch.Tensor:
         policy = self.config.eviction
@@ -422,8 +447,21 @@ class DynamicEmbedding:
         return keys, rows[:, : self.dim], rows[:, self.dim :], scores
 
     def import_rows(self, keys, embeddings, state, scores) -> None:
+        """Stores rows of distinct keys with their scores, overwriting stored ones. In a
+        tiered table a row stays in the tier that holds it; a new one goes to the device
+        tier, or to the host tier where its device bucket has no room for it."""
+        keys, scores = keys.to(self.device), scores.to(self.device)
         rows = torch.cat([embeddings.to(self.device, torch.float32), state.to(self.device, torch.float32)], 1)
-        self._demote(self.table.insert_or_assign(keys.to(self.device), rows, scores.to(self.device)))
+        if self.host is None:
+            self._to_host(keys[:0], scores[:0], rows[:0], self.table.insert_or_assign(keys, rows, scores))
+            return
+        on_host = self.host.find(keys) != MISSING
+        d = (~on_host).nonzero().squeeze(1)
+        slots, _, evicted = self.table.find_or_insert(keys[d], scores[d])
+        stored = slots != MISSING
+        self.table.values[slots[stored]] = rows[d[stored]].to(self.table.dtype)
+        rest = torch.cat([on_host.nonzero().squeeze(1), d[~stored]])
+        self._to_host(keys[rest], scores[rest], rows[rest], evicted)
 
 
 class ShardedDynamicEmbedding:
