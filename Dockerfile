@@ -4,6 +4,8 @@ ARG BASE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 FROM ${BASE}
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+# malloc keeps freed memory for the next training step (components.steps.CPU_MALLOC_TUNING)
+ENV GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296
 WORKDIR /opt/hstu
 COPY pyproject.toml README.md ./
 COPY kernels kernels

@@ -23,6 +23,8 @@ def train(
     workers: int,
     preset: str,
     epochs: int,
+    patience: int,
+    seed: int,
     extra_args: str,
     tracking_uri: str,
     run_id: str,
@@ -34,7 +36,32 @@ def train(
     from components.steps import train_step
 
     return train_step(
-        data_dir, os.path.join(work_dir, "train"), workers, preset, epochs, extra_args, tracking_uri, run_id, launcher, job_spec
+        data_dir, os.path.join(work_dir, "train"), workers, preset, epochs, extra_args, tracking_uri, run_id, launcher, job_spec,
+        patience, seed=seed,
+    )
+
+
+def train_baselines(
+    data_dir: str,
+    work_dir: str,
+    baselines: str,
+    workers: int,
+    epochs: int,
+    patience: int,
+    seed: int,
+    extra_args: str,
+    tracking_uri: str,
+    run_id: str,
+    launcher: str,
+    job_spec: str,
+) -> str:
+    import os
+
+    from components.steps import baselines_step
+
+    return baselines_step(
+        data_dir, os.path.join(work_dir, "baselines"), baselines, workers=workers, epochs=epochs, patience=patience, seed=seed,
+        extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id, launcher=launcher, job_spec=job_spec,
     )
 
 
@@ -46,12 +73,12 @@ def dump(train_dir: str, work_dir: str, tracking_uri: str, run_id: str) -> str:
     return dump_step(train_dir, os.path.join(work_dir, "model"), tracking_uri, run_id)
 
 
-def evaluate(model_dir: str, data_dir: str, work_dir: str, tracking_uri: str, run_id: str) -> str:
+def evaluate(model_dir: str, data_dir: str, baselines: str, baselines_dir: str, work_dir: str, tracking_uri: str, run_id: str) -> str:
     import os
 
     from components.steps import evaluate_step
 
-    return evaluate_step(model_dir, data_dir, os.path.join(work_dir, "evaluation"), tracking_uri, run_id)
+    return evaluate_step(model_dir, data_dir, os.path.join(work_dir, "evaluation"), tracking_uri, run_id, baselines, baselines_dir)
 
 
 def export(model_dir: str, data_dir: str, metrics_file: str, work_dir: str, tracking_uri: str, run_id: str) -> str:
@@ -62,7 +89,7 @@ def export(model_dir: str, data_dir: str, metrics_file: str, work_dir: str, trac
     return export_step(model_dir, data_dir, metrics_file, os.path.join(work_dir, "export"), tracking_uri, run_id)
 
 
-STEPS = (prepare_data, train, dump, evaluate, export)
+STEPS = (prepare_data, train, train_baselines, dump, evaluate, export)
 
 
 def build(image: str) -> dict:

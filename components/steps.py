@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from lightning_modules import datasets, export as export_lib, model_files
-from lightning_modules.evaluate import evaluate
+from lightning_modules.evaluate import HSTURanker, PopularityRanker, SASRecRanker, catalog_of, evaluate_rankers
 
 from . import pytorchjob, tracking
 
@@ -42,9 +42,35 @@ def prepare_step(
     return out_dir
 
 
-def train_args(data_dir: str, out_dir: str, preset: str, epochs: int, tracking_uri: str, run_id: str, extra: list[str] | None = None) -> list[str]:
-    """Arguments of `python -m lightning_modules.train`, shared by local and cluster runs."""
-    args = ["--data-dir", data_dir, "--out-dir", out_dir, "--preset", preset, "--epochs", str(epochs)]
+BASELINES = ("sasrec", "most-popular")  # what the model is compared with in metrics.json
+
+
+def parse_baselines(baselines: str) -> list[str]:
+    """A comma-separated list of BASELINES (empty: none)."""
+    names = [b.strip() for b in baselines.split(",") if b.strip()]
+    unknown = sorted(set(names) - set(BASELINES))
+    if unknown:
+        raise ValueError(f"unknown baselines {unknown}; choose from {', '.join(BASELINES)}")
+    return names
+
+
+# glibc malloc settings for training on CPUs: freed memory is kept for reuse instead of
+# being returned to the system, and allocations below 32 MiB come from the heap, so that
+# the large temporaries of every step (attention scores, logits) do not fault in fresh
+# pages each time. The image sets the same.
+CPU_MALLOC_TUNING = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+
+
+def train_args(
+    data_dir: str, out_dir: str, preset: str, epochs: int, tracking_uri: str, run_id: str, extra: list[str] | None = None,
+    patience: int = -1, model: str = "hstu", seed: int = 0,
+) -> list[str]:
+    """Arguments of `python -m lightning_modules.train`, shared by local and cluster runs
+    (patience < 0: train all epochs)."""
+    args = ["--data-dir", data_dir, "--out-dir", out_dir, "--model", model, "--preset", preset, "--epochs", str(epochs),
+            "--seed", str(seed)]
+    if patience >= 0:
+        args += ["--patience", str(patience)]
     if tracking_uri:  # without a run id the workers start a run of their own
         args += ["--tracking-uri", tracking_uri] + (["--run-id", run_id] if run_id else [])
     return args + list(extra or [])
@@ -66,25 +92,56 @@ def train_step(
     run_id: str = "",
     launcher: str = "local",
     job_spec: str = "",
+    patience: int = -1,
+    model: str = "hstu",
+    seed: int = 0,
 ) -> str:
-    """Trains with `workers` processes: local torchrun, or a PyTorchJob on the cluster
-    (`job_spec`: JSON of components.pytorchjob.JobSpec fields, without train_args)."""
+    """Trains `model` with `workers` processes: local torchrun, or a PyTorchJob on the
+    cluster (`job_spec`: JSON of components.pytorchjob.JobSpec fields, without
+    train_args), for at most `epochs`, stopping after `patience` validations without
+    improvement (< 0: never); `seed` seeds the training."""
     extra = extra_args.split() if extra_args else []
-    args = train_args(data_dir, out_dir, preset, epochs, tracking_uri, run_id, extra + ["--no-progress-bar"])
-    if _tracked(tracking_uri, run_id):
-        tracking.log_params(tracking_uri, run_id, {"preset": preset, "epochs": epochs, "workers": workers, "train_extra_args": extra_args})
+    args = train_args(data_dir, out_dir, preset, epochs, tracking_uri, run_id, extra + ["--no-progress-bar"], patience, model, seed)
+    if _tracked(tracking_uri, run_id) and model == "hstu":
+        tracking.log_params(tracking_uri, run_id, {
+            "preset": preset, "epochs": epochs, "patience": patience, "seed": seed, "workers": workers, "train_extra_args": extra_args,
+        })
     if launcher == "local":
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers))))
+        env = dict(
+            os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers))),
+            GLIBC_TUNABLES=os.environ.get("GLIBC_TUNABLES", CPU_MALLOC_TUNING),
+        )
         subprocess.run(torchrun_command(workers, args), check=True, env=env)
     elif launcher == "pytorchjob":
-        spec = pytorchjob.JobSpec(**json.loads(job_spec), train_args=args)
+        fields = json.loads(job_spec)
+        if model != "hstu":  # a job of its own beside the model's
+            fields["name"] = f"{fields.get('name', 'hstu-train')}-{model}"
+        spec = pytorchjob.JobSpec(**fields, train_args=args)
         job = pytorchjob.render(spec)
         if pytorchjob.operator_errors(job):
             raise ValueError("\n".join(pytorchjob.operator_errors(job)))
         pytorchjob.submit(job)
     else:
         raise ValueError(f"unknown launcher {launcher!r}: local or pytorchjob")
-    model_files.read_info(Path(out_dir) / "model")  # the workers committed a complete model
+    read = model_files.read_info if model == "hstu" else model_files.load_sasrec
+    read(Path(out_dir) / "model")  # the workers committed a complete model
+    return out_dir
+
+
+def baselines_step(data_dir: str, out_dir: str, baselines: str = "most-popular", **training) -> str:
+    """Trains the baselines that learn (SASRec, into <out_dir>/sasrec) on the same data,
+    validation and early stopping as the model: `training` holds train_step's arguments
+    (workers, epochs, patience, seed, ...). The others need no training. Each logs into an
+    MLflow run of its own, a child of the pipeline's."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tracking_uri, run_id = training.pop("tracking_uri", ""), training.pop("run_id", "")
+    for name in parse_baselines(baselines):
+        if name != "sasrec":
+            continue
+        child = tracking.start_run(tracking_uri, run_name=name, parent_run_id=run_id) if _tracked(tracking_uri, run_id) else ""
+        train_step(data_dir, str(Path(out_dir) / name), tracking_uri=tracking_uri if child else "", run_id=child, model=name, **training)
+        if child:
+            tracking.finish_run(tracking_uri, child)
     return out_dir
 
 
@@ -99,17 +156,30 @@ def dump_step(train_dir: str, out_dir: str, tracking_uri: str = "", run_id: str 
     return str(path)
 
 
-def evaluate_step(model_dir: str, data_dir: str, out_dir: str, tracking_uri: str = "", run_id: str = "") -> str:
-    """Full-ranking test metrics of the model and the most-popular baseline → metrics.json."""
+def evaluate_step(
+    model_dir: str, data_dir: str, out_dir: str, tracking_uri: str = "", run_id: str = "", baselines: str = "most-popular",
+    baselines_dir: str = "",
+) -> str:
+    """Full-ranking test metrics of the model and the baselines, on the same users →
+    metrics.json: {"model": ..., "sasrec": ..., "most_popular": ...}. baselines: a
+    comma-separated list of BASELINES; SASRec's trained model is <baselines_dir>/sasrec/model."""
     model, table, _ = model_files.load_model(model_dir)
-    results = evaluate(model, table, data_dir, split="test")
+    catalog = catalog_of(data_dir)
+    rankers = {"model": HSTURanker(model, table, catalog)}
+    for name in parse_baselines(baselines):
+        if name == "sasrec":
+            sasrec, sasrec_catalog, _ = model_files.load_sasrec(Path(baselines_dir) / "sasrec" / "model")
+            rankers["sasrec"] = SASRecRanker(sasrec, sasrec_catalog, catalog)
+        elif name == "most-popular":
+            rankers["most_popular"] = PopularityRanker(data_dir, catalog)
+    results = evaluate_rankers(rankers, data_dir, "test", catalog)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     if _tracked(tracking_uri, run_id):
-        tracking.log_metrics(tracking_uri, run_id, results["model"], prefix="test/")
-        tracking.log_metrics(tracking_uri, run_id, results["most_popular"], prefix="baseline/")
+        for name, metrics in results.items():
+            tracking.log_metrics(tracking_uri, run_id, metrics, prefix="test/" if name == "model" else f"baseline/{name}/")
         tracking.log_artifact(tracking_uri, run_id, out / "metrics.json", "evaluation")
         curve = tracking.plot_training_curve(tracking_uri, run_id, out / "training_curve.png")
         tracking.log_artifact(tracking_uri, run_id, curve, "evaluation")

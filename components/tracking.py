@@ -13,15 +13,24 @@ def default_tracking_uri(work_dir: str | Path) -> str:
     return f"sqlite:///{Path(work_dir).resolve() / 'mlflow.db'}"
 
 
-def start_run(tracking_uri: str, run_name: str | None = None, experiment: str = EXPERIMENT, artifact_root: str | None = None) -> str:
-    """Creates the pipeline's run (left open for the steps) and returns its id. A new
-    experiment keeps its artifacts under `artifact_root` when given (else the server's
-    default; for a SQLite store that would be ./mlruns of whatever directory is current)."""
+def start_run(
+    tracking_uri: str, run_name: str | None = None, experiment: str = EXPERIMENT, artifact_root: str | None = None,
+    parent_run_id: str | None = None,
+) -> str:
+    """Creates a run (left open for the steps) and returns its id: the pipeline's, or a
+    child of `parent_run_id` in the parent's experiment. A new experiment keeps its
+    artifacts under `artifact_root` when given (else the server's default; for a SQLite
+    store that would be ./mlruns of whatever directory is current)."""
     client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    location = Path(artifact_root).resolve().as_uri() if artifact_root else None
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=location)
-    return client.create_run(exp_id, run_name=run_name).info.run_id
+    if parent_run_id:
+        exp_id = client.get_run(parent_run_id).info.experiment_id
+        tags = {"mlflow.parentRunId": parent_run_id}
+    else:
+        exp = client.get_experiment_by_name(experiment)
+        location = Path(artifact_root).resolve().as_uri() if artifact_root else None
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=location)
+        tags = None
+    return client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
 
 
 def finish_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:

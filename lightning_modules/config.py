@@ -15,12 +15,17 @@ class HSTUConfig:
     dropout: float = 0.2
     num_time_buckets: int = 128
     # training
-    lr: float = 1e-3
+    lr: float = 4e-3
     betas: tuple[float, float] = (0.9, 0.98)
     weight_decay: float = 0.0
-    batch_size: int = 128
-    num_negatives: int = 128
-    temperature: float = 0.05
+    batch_size: int = 128  # sequences per step, over all processes
+    # negatives shared by every position of a step: the whole catalog (the full softmax)
+    # when it has no more items than this, else a uniform sample of this many
+    num_negatives: int = 16384
+    temperature: float = 0.1
+    # a long sequence is trained on a window ending at a random place each epoch, not
+    # always on its last max_seq_len items
+    random_windows: bool = True
     seed: int = 0
     # the item table: its own sparse optimizer (Adam, same rate as the dense weights)
     embedding_optimizer: str = "adam"

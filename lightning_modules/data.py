@@ -9,9 +9,12 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class Sequences(Dataset):
-    """One sample per user: the last `max_len` items of a split's sequence."""
+    """One sample per user: `max_len` consecutive items of a split's sequence, the last
+    ones, or with `random_windows` a window ending at a random place (each ending with at
+    least max_len items before it equally likely) so that the earlier items of a long
+    sequence are trained on too."""
 
-    def __init__(self, path: str | Path, max_len: int):
+    def __init__(self, path: str | Path, max_len: int, random_windows: bool = False):
         table = pq.read_table(path)
         self.users = table.column("user_id").to_numpy()
         items, times = table.column("item_ids").combine_chunks(), table.column("timestamps").combine_chunks()
@@ -19,12 +22,16 @@ class Sequences(Dataset):
         self.items = items.values.to_numpy().copy()  # writable: torch.from_numpy shares it
         self.times = times.values.to_numpy().copy()
         self.max_len = max_len
+        self.random_windows = random_windows
 
     def __len__(self) -> int:
         return len(self.users)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         start, end = self.offsets[i], self.offsets[i + 1]
+        if self.random_windows and end - start > self.max_len:
+            # numpy's global generator: seeded by the run's seed (and per data loader worker)
+            end = int(np.random.randint(start + self.max_len, end + 1))
         start = max(start, end - self.max_len)
         return self.items[start:end], self.times[start:end]
 
@@ -47,14 +54,15 @@ def pad_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.T
 class SequenceDataModule(L.LightningDataModule):
     """Training batches from `train.parquet`; Lightning adds the distributed sampler."""
 
-    def __init__(self, data_dir: str | Path, max_len: int, batch_size: int, num_workers: int = 0):
+    def __init__(self, data_dir: str | Path, max_len: int, batch_size: int, num_workers: int = 0, random_windows: bool = False):
         super().__init__()
         self.data_dir = Path(data_dir)
         self.max_len, self.batch_size, self.num_workers = max_len, batch_size, num_workers
+        self.random_windows = random_windows
 
     def setup(self, stage: str | None = None) -> None:
         # a training sample needs one more item than the model sees: the last one's target
-        self.train = Sequences(self.data_dir / "train.parquet", self.max_len + 1)
+        self.train = Sequences(self.data_dir / "train.parquet", self.max_len + 1, self.random_windows)
 
     def catalog(self) -> torch.Tensor:
         """Every item id of the training split: the pool negatives are drawn from."""

@@ -14,7 +14,6 @@ A file that cannot be parsed raises DataError naming the file, the line and the 
 Rows with bad values (rating missing or out of range) and exact duplicates are dropped and
 counted in the statistics.
 """
-import hashlib
 import io
 import json
 import os
@@ -28,6 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+
+from kernels.files import file_digest
 
 GROUPLENS = "https://files.grouplens.org/datasets/movielens/"
 MIRROR_ENV = "HSTU_DATASET_MIRROR"  # a base URL (or file:// directory) serving the same zips
@@ -62,14 +63,6 @@ class DataError(ValueError):
 
 
 # ---- fetching -----------------------------------------------------------------------------
-def _digest(path: Path, algorithm: str) -> str:
-    h = hashlib.new(algorithm)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch(name: str, cache_dir: str | Path | None = None) -> Path:
     """The verified archive of a named MovieLens set, downloaded into the cache if needed."""
     spec = MOVIELENS[name]
@@ -77,14 +70,14 @@ def fetch(name: str, cache_dir: str | Path | None = None) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     dest = cache / spec.archive
     algorithm, expected = spec.checksum
-    if dest.is_file() and _digest(dest, algorithm) == expected:
+    if dest.is_file() and file_digest(dest, algorithm) == expected:
         return dest
     url = os.environ.get(MIRROR_ENV, GROUPLENS).rstrip("/") + "/" + spec.archive
     tmp = dest.with_name(dest.name + ".download")
     with urllib.request.urlopen(url) as response, open(tmp, "wb") as out:
         while block := response.read(1 << 20):
             out.write(block)
-    got = _digest(tmp, algorithm)
+    got = file_digest(tmp, algorithm)
     if got != expected:
         tmp.unlink()
         raise DataError(f"{url}: {algorithm} {got} does not match the expected {expected}")

@@ -1,32 +1,42 @@
-"""Full-ranking evaluation, the HSTU paper's protocol.
+"""Full-ranking evaluation, the HSTU paper's protocol, for every ranker alike.
 
-For every user the model's output at the last history position scores every item of the
-catalog (all items of the dataset); items already in the history are excluded, and the
-held-out next item's rank gives HR@K, NDCG@K and MRR. The most-popular baseline (items
-ranked by their count in the training split) is scored on the same users in the same run.
-A tie in score counts in the target's favour, for the model and the baseline alike.
+For each user of a split, the last item of the sequence is the target and the items before
+it the history. A ranker scores every item of the catalog (all items of the dataset) after
+the history; items already in the history are excluded, and the target's rank gives HR@K,
+NDCG@K and MRR. A tie in score counts in the target's favour. The rankers of one run
+(the model, SASRec, most-popular) are scored on the same users in the same pass.
+
+Validation during training uses the same code on the `valid` split, over a fixed sample
+of users where the split is large, each rank of a process group taking its share.
 """
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import Sequences, pad_batch
-from .hstu import HSTU
 
 KS = (10, 50, 200)
 
 
 def ranking_metrics(ranks: torch.Tensor, ks=KS) -> dict[str, float]:
     """ranks: 0-based rank of each user's target among the candidates."""
+    sums, n = metric_sums(ranks, ks), ranks.numel()
+    return {k: v / max(n, 1) for k, v in sums.items()}
+
+
+def metric_sums(ranks: torch.Tensor, ks=KS) -> dict[str, float]:
+    """Per-user metrics summed (so that shares of users add up): hr@k, ndcg@k, mrr."""
     r = ranks.to(torch.float64)
     out = {}
     for k in ks:
         hit = r < k
-        out[f"hr@{k}"] = hit.double().mean().item()
-        out[f"ndcg@{k}"] = torch.where(hit, 1.0 / torch.log2(r + 2), torch.zeros_like(r)).mean().item()
-    out["mrr"] = (1.0 / (r + 1)).mean().item()
+        out[f"hr@{k}"] = hit.double().sum().item()
+        out[f"ndcg@{k}"] = torch.where(hit, 1.0 / torch.log2(r + 2), torch.zeros_like(r)).sum().item()
+    out["mrr"] = (1.0 / (r + 1)).sum().item()
     return out
 
 
@@ -39,49 +49,131 @@ def target_ranks(scores: torch.Tensor, target: torch.Tensor, exclude: torch.Tens
     return ((scores > target_score) & ~exclude).sum(1)
 
 
+class Ranker(Protocol):
+    """Scores the catalog after histories."""
+
+    max_seq_len: int  # the longest history window it reads
+
+    def scores(self, items: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """items, timestamps (B, L) raw ids and times, right-padded; lengths (B,) ≥ 1 →
+        (B, M) scores of the catalog's items (on the CPU)."""
+        ...
+
+
+class HSTURanker:
+    """The HSTU model over its item table: cosine of the last position's output and each
+    item's row. The catalog's rows are read from the table once (a collective lookup in a
+    process group: every rank builds its ranker), and histories index into them."""
+
+    def __init__(self, model, item_table, catalog: torch.Tensor, device: torch.device | str = "cpu"):
+        self.model, self.catalog, self.device = model, catalog, torch.device(device)
+        self.max_seq_len = model.config.max_seq_len
+        with torch.no_grad():
+            self.rows = item_table.lookup(catalog.to(self.device), train=False)  # (M, D)
+        self.item_emb = F.normalize(self.rows, dim=-1)
+
+    @torch.no_grad()
+    def scores(self, items, timestamps, lengths):
+        B, L = items.shape
+        idx = torch.searchsorted(self.catalog, items).clamp(max=len(self.catalog) - 1).to(self.device)
+        mask = (torch.arange(L)[None, :] < lengths[:, None]).to(self.device)
+        out = self.model(self.rows[idx] * mask[..., None], timestamps.to(self.device), lengths.to(self.device))
+        user = out[torch.arange(B, device=self.device), (lengths - 1).to(self.device)]
+        return (user @ self.item_emb.T).cpu()
+
+
+class SASRecRanker:
+    """SASRec: dot product of the last position's state and each item's embedding. Its
+    items are numbered by their place in its own catalog (1..M), the one it trained on."""
+
+    def __init__(self, model, model_catalog: torch.Tensor, catalog: torch.Tensor, device: torch.device | str = "cpu"):
+        self.model, self.model_catalog, self.device = model, model_catalog, torch.device(device)
+        self.max_seq_len = model.config.max_seq_len
+        # the catalog's items as the model's indices; items it never saw score -inf
+        pos = torch.searchsorted(model_catalog, catalog).clamp(max=len(model_catalog) - 1)
+        self.known = model_catalog[pos] == catalog
+        self.columns = pos.to(self.device)
+
+    def indices(self, items: torch.Tensor) -> torch.Tensor:
+        pos = torch.searchsorted(self.model_catalog, items).clamp(max=len(self.model_catalog) - 1)
+        return torch.where(self.model_catalog[pos] == items, pos + 1, 0)
+
+    @torch.no_grad()
+    def scores(self, items, timestamps, lengths):
+        user = self.model.user_vectors(self.indices(items).to(self.device), lengths.to(self.device))
+        scores = (user @ self.model.item_vectors()[self.columns].T).cpu()
+        return scores.masked_fill(~self.known, float("-inf"))
+
+
+class PopularityRanker:
+    """Items ranked by their count in the training split, the same for every user."""
+
+    max_seq_len = 1
+
+    def __init__(self, data_dir: str | Path, catalog: torch.Tensor):
+        items = torch.from_numpy(Sequences(Path(data_dir) / "train.parquet", 1).items)
+        self.popularity = torch.zeros(len(catalog), dtype=torch.float64)
+        self.popularity.index_add_(0, torch.searchsorted(catalog, items), torch.ones(len(items), dtype=torch.float64))
+
+    def scores(self, items, timestamps, lengths):
+        return self.popularity.expand(len(lengths), -1)
+
+
+def catalog_of(data_dir: str | Path) -> torch.Tensor:
+    """Every item id of the dataset, sorted: the candidates of full ranking."""
+    return torch.from_numpy(Sequences(Path(data_dir) / "test.parquet", 1).all_items())
+
+
+def user_sample(n_users: int, max_users: int | None, seed: int = 0) -> np.ndarray:
+    """All users, or a fixed random sample of max_users of them (sorted)."""
+    if max_users is None or n_users <= max_users:
+        return np.arange(n_users)
+    return np.sort(np.random.default_rng(seed).choice(n_users, max_users, replace=False))
+
+
 @torch.no_grad()
-def evaluate(
-    model: HSTU,
-    item_table,
+def evaluate_rankers(
+    rankers: dict[str, Ranker],
     data_dir: str | Path,
     split: str = "test",
+    catalog: torch.Tensor | None = None,
+    max_users: int | None = None,
     batch_size: int = 256,
-    device: torch.device | str = "cpu",
+    group=None,
 ) -> dict[str, dict[str, float]]:
-    """{"model": metrics, "most_popular": metrics} over every user of `split`
-    (valid or test; the last item of each sequence is the target)."""
+    """{ranker name: metrics | {"users": n}} over the split's users (or a sample of
+    max_users). In an initialized process group each rank scores its share and the sums
+    are added up: every rank returns the same metrics."""
     data_dir = Path(data_dir)
-    max_len = model.config.max_seq_len
-    users = Sequences(data_dir / f"{split}.parquet", max_len + 1)  # model input + target
-    full = Sequences(data_dir / f"{split}.parquet", np.iinfo(np.int64).max)  # whole history
-    catalog = torch.from_numpy(users.all_items())  # sorted item ids
-    train_items = torch.from_numpy(Sequences(data_dir / "train.parquet", 1).items)
-    popularity = torch.zeros(len(catalog), dtype=torch.float64)
-    popularity.index_add_(0, torch.searchsorted(catalog, train_items), torch.ones(len(train_items), dtype=torch.float64))
-
-    item_emb = F.normalize(item_table.lookup(catalog.to(device), train=False), dim=-1)  # (M, D)
-    model_ranks, popular_ranks = [], []
+    catalog = catalog_of(data_dir) if catalog is None else catalog
+    full = Sequences(data_dir / f"{split}.parquet", np.iinfo(np.int64).max)
+    users = user_sample(len(full), max_users)
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        users = users[dist.get_rank(group) :: dist.get_world_size(group)]
+    # batches of similar lengths: a batch is padded to its longest history
+    users = users[np.argsort(np.diff(full.offsets)[users], kind="stable")]
+    windows = sorted({r.max_seq_len for r in rankers.values()})
+    ranks: dict[str, list[torch.Tensor]] = {name: [] for name in rankers}
     for start in range(0, len(users), batch_size):
-        batch = pad_batch([users[i] for i in range(start, min(start + batch_size, len(users)))])
-        ids, ts, lengths = batch["item_ids"], batch["timestamps"], batch["lengths"]
-        B, L = ids.shape
-        target = torch.searchsorted(catalog, ids[torch.arange(B), lengths - 1])
-        hist_len = lengths - 1
-        hist_mask = torch.arange(L)[None, :] < hist_len[:, None]
-        exclude = torch.zeros(B, len(catalog), dtype=torch.bool)  # the whole history, not just the window
-        for b in range(B):
-            exclude[b, torch.searchsorted(catalog, torch.from_numpy(full[start + b][0][:-1]))] = True
-
-        seq_mask = hist_mask.to(device)
-        emb = torch.zeros(B, L, model.config.embedding_dim, device=device)
-        emb[seq_mask] = item_table.lookup(ids[hist_mask].to(device), train=False)
-        # the last column holds only targets or padding: the model sees L - 1 positions
-        out = model(emb[:, :-1], ts[:, :-1].to(device), hist_len.to(device))  # (B, L-1, D)
-        user = out[torch.arange(B, device=device), (hist_len - 1).clamp(min=0).to(device)]
-        scores = (user @ item_emb.T).cpu()
-        model_ranks.append(target_ranks(scores, target, exclude))
-        popular_ranks.append(target_ranks(popularity.expand(B, -1), target, exclude))
-    return {
-        "model": ranking_metrics(torch.cat(model_ranks)) | {"users": len(users)},
-        "most_popular": ranking_metrics(torch.cat(popular_ranks)) | {"users": len(users)},
-    }
+        sequences = [full[int(u)] for u in users[start : start + batch_size]]
+        target = torch.searchsorted(catalog, torch.tensor([int(items[-1]) for items, _ in sequences]))
+        exclude = torch.zeros(len(sequences), len(catalog), dtype=torch.bool)  # the whole history
+        for b, (items, _) in enumerate(sequences):
+            exclude[b, torch.searchsorted(catalog, torch.from_numpy(items[:-1]))] = True
+        for window in windows:  # each ranker reads the last max_seq_len items of the history
+            batch = pad_batch([(items[:-1][-window:], times[:-1][-window:]) for items, times in sequences])
+            for name, ranker in rankers.items():
+                if ranker.max_seq_len == window:
+                    scores = ranker.scores(batch["item_ids"], batch["timestamps"], batch["lengths"].clamp(min=1))
+                    ranks[name].append(target_ranks(scores, target, exclude))
+    out = {}
+    for name, r in ranks.items():
+        r = torch.cat(r) if r else torch.empty(0, dtype=torch.int64)
+        sums = metric_sums(r)
+        totals = torch.tensor([*sums.values(), r.numel()], dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(totals, group=group)
+        n = int(totals[-1])
+        out[name] = {k: v / max(n, 1) for k, v in zip(sums, totals.tolist())} | {"users": n}
+    return out

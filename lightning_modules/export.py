@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kernels.dynamic_embedding import DumpError
-from kernels.dynamic_embedding.dump import read_format_json, sha256_of, write_json_atomic
+from kernels.dynamic_embedding.dump import read_format_json
+from kernels.files import file_digest, write_json_atomic
 
 from . import model_files
 from .data import Sequences
@@ -42,7 +43,7 @@ def export(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, mod
             "version": VERSION,
             "model_version": str(model_version),
             "candidates": int(len(catalog)),
-            "items_sha256": sha256_of(tmp / "items.safetensors"),
+            "items_sha256": file_digest(tmp / "items.safetensors"),
             "metrics": metrics or {},
         },
     )
@@ -64,7 +65,7 @@ class Recommender:
     def load(path: str | Path, device: str = "cpu") -> "Recommender":
         path = Path(path)
         info = read_format_json(path / "export.json", FORMAT, VERSION, f"{path}: not an exported model (no export.json)")
-        if sha256_of(path / "items.safetensors") != info["items_sha256"]:
+        if file_digest(path / "items.safetensors") != info["items_sha256"]:
             raise DumpError(f"{path / 'items.safetensors'}: checksum mismatch (corrupted)")
         model, table, _ = model_files.load_model(path / "model", device)
         item_ids = load_file(path / "items.safetensors")["item_ids"].to(device)

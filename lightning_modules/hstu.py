@@ -19,6 +19,9 @@ from torch import nn
 from .config import HSTUConfig
 
 
+TIME_BUCKET_LOG = 0.301  # time gaps are bucketed by log(gap) / this (about log 2: doublings)
+
+
 def valid_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """(B, L) bool: True at positions inside each sequence."""
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
@@ -47,8 +50,12 @@ def bias_indices(timestamps: torch.Tensor, max_seq_len: int, num_time_buckets: i
     L = timestamps.shape[1]
     pos = torch.arange(L, device=timestamps.device)
     rel = (pos[None, :] - pos[:, None]).clamp(-(max_seq_len - 1), max_seq_len - 1) + max_seq_len - 1
-    gap = (timestamps[:, :, None] - timestamps[:, None, :]).abs().clamp(min=1).float()
-    bucket = (torch.log(gap) / 0.301).long().clamp(0, num_time_buckets)
+    # times relative to each sequence's first fit float32 (a gap's rounding is far below
+    # its bucket's width); the (B, L, L) work is done in place
+    base = timestamps[:, :1]
+    times = (timestamps - base).float()
+    gap = times[:, :, None] - times[:, None, :]
+    bucket = gap.abs_().clamp_(min=1).log_().mul_(1 / TIME_BUCKET_LOG).to(torch.int64).clamp_(0, num_time_buckets)
     return rel, bucket
 
 
@@ -70,9 +77,13 @@ class HSTUBlock(nn.Module):
         self.heads, self.dqk, self.dv = c.num_heads, c.attention_dim, c.linear_dim
         self.max_seq_len = c.max_seq_len
         self.input_norm = nn.LayerNorm(c.embedding_dim)
-        self.uvqk = nn.Linear(c.embedding_dim, c.num_heads * (2 * c.linear_dim + 2 * c.attention_dim))
+        # initialized as the paper's reference implementation: small U, V, Q, K projections
+        # (std 0.02, no bias) and a Xavier output projection
+        self.uvqk = nn.Linear(c.embedding_dim, c.num_heads * (2 * c.linear_dim + 2 * c.attention_dim), bias=False)
+        nn.init.normal_(self.uvqk.weight, 0, 0.02)
         self.attn_norm = nn.LayerNorm(c.num_heads * c.linear_dim)
         self.output = nn.Linear(c.num_heads * c.linear_dim, c.embedding_dim)
+        nn.init.xavier_uniform_(self.output.weight)
         self.dropout = nn.Dropout(c.dropout)
         self.bias = RelativeBias(c.max_seq_len, c.num_time_buckets)
 
@@ -98,7 +109,7 @@ class HSTU(nn.Module):
         super().__init__()
         self.config = c
         self.positions = nn.Embedding(c.max_seq_len, c.embedding_dim)
-        nn.init.normal_(self.positions.weight, 0, 0.02)
+        nn.init.xavier_normal_(self.positions.weight)
         self.input_dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(HSTUBlock(c) for _ in range(c.num_blocks))
 
@@ -135,3 +146,10 @@ def sampled_softmax_loss(
     logits = torch.cat([pos_logit, neg_logits], 1) / temperature
     labels = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
     return F.cross_entropy(logits, labels)
+
+
+def catalog_softmax_loss(out: torch.Tensor, item_emb: torch.Tensor, target_index: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Cross-entropy of each position's target over every item of the catalog (the full
+    softmax), on cosine similarity. out (P, D) normalized outputs, item_emb (M, D) the
+    catalog's rows, target_index (P,) each target's row in it."""
+    return F.cross_entropy((out / temperature) @ F.normalize(item_emb, dim=-1).T, target_index)

@@ -4,6 +4,9 @@
     dense.safetensors     HSTU weights
     embeddings/           the item table's dump (kernels.dynamic_embedding.dump)
 
+The SASRec baseline's directory holds its weights (its item embedding among them) and
+the catalog its item indices refer to, `items.safetensors`, under format "sasrec-model".
+
 The directory is built under a hidden temporary name and renamed into place, so it exists
 complete or not at all; loading checks every checksum. No pickle.
 """
@@ -15,12 +18,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.dynamic_embedding import DumpError, ShardedDynamicEmbedding, dump, load, read_manifest
-from kernels.dynamic_embedding.dump import barrier, read_format_json, sha256_of, write_json_atomic
+from kernels.dynamic_embedding.dump import barrier, read_format_json
+from kernels.files import file_digest, write_json_atomic
 
 from .config import HSTUConfig
 from .hstu import HSTU
+from .sasrec import SASRec, SASRecConfig
 
 FORMAT = "hstu-model"
+SASREC_FORMAT = "sasrec-model"
 VERSION = 1
 
 
@@ -43,7 +49,7 @@ def save(path: str | Path, model: HSTU, table: ShardedDynamicEmbedding, metadata
                 "format": FORMAT,
                 "version": VERSION,
                 "config": model.config.to_dict(),
-                "dense_sha256": sha256_of(dense),
+                "dense_sha256": file_digest(dense),
                 "metadata": metadata or {},
             },
         )
@@ -59,7 +65,7 @@ def read_info(path: str | Path) -> dict:
     path = Path(path)
     info = read_format_json(path / "model.json", FORMAT, VERSION, f"{path}: not a complete model directory (no model.json)")
     dense = path / "dense.safetensors"
-    if not dense.is_file() or sha256_of(dense) != info["dense_sha256"]:
+    if not dense.is_file() or file_digest(dense) != info["dense_sha256"]:
         raise DumpError(f"{dense}: missing or checksum mismatch (corrupted)")
     read_manifest(path / "embeddings")
     return info
@@ -78,3 +84,34 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[HS
     table = ShardedDynamicEmbedding(config.embedding_config(), device)
     load(table, path / "embeddings")
     return model, table, info
+
+
+def save_sasrec(path: str | Path, model: SASRec, catalog: torch.Tensor, metadata: dict | None = None) -> Path:
+    """The SASRec baseline's directory, committed by rename (one process writes it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dense, items = tmp / "dense.safetensors", tmp / "items.safetensors"
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, dense)
+    save_file({"item_ids": catalog.detach().cpu().contiguous()}, items)
+    write_json_atomic(tmp / "model.json", {
+        "format": SASREC_FORMAT, "version": VERSION, "config": model.config.to_dict(),
+        "dense_sha256": file_digest(dense), "items_sha256": file_digest(items), "metadata": metadata or {},
+    })
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def load_sasrec(path: str | Path, device: torch.device | str = "cpu") -> tuple[SASRec, torch.Tensor, dict]:
+    """(model in eval mode, its catalog, model.json) from a verified SASRec directory."""
+    path = Path(path)
+    info = read_format_json(path / "model.json", SASREC_FORMAT, VERSION, f"{path}: not a complete SASRec model (no model.json)")
+    for name, key in (("dense.safetensors", "dense_sha256"), ("items.safetensors", "items_sha256")):
+        if not (path / name).is_file() or file_digest(path / name) != info[key]:
+            raise DumpError(f"{path / name}: missing or checksum mismatch (corrupted)")
+    model = SASRec(SASRecConfig.from_dict(info["config"]))
+    model.load_state_dict(load_file(path / "dense.safetensors"))
+    return model.to(device).eval(), load_file(path / "items.safetensors")["item_ids"], info

@@ -1,9 +1,12 @@
-"""The LightningModule: dense HSTU weights under DDP, item rows in a sharded dynamic table.
+"""The LightningModules: HSTU, and the SASRec baseline trained on the same batches.
 
-Manual optimization: each step looks up the batch's items and sampled negatives in the
-table, runs the model, back-propagates once (DDP all-reduces dense gradients), steps
-AdamW on the dense weights, and hands the embedding gradients to the table's fused
-sparse optimizer (which routes them to the ranks owning the rows).
+HSTU: dense weights under DDP, item rows in a sharded dynamic table. Manual optimization:
+each step looks up the batch's items and the step's negatives in the table, runs the
+model, back-propagates once (DDP all-reduces dense gradients), steps AdamW on the dense
+weights, and hands the embedding gradients to the table's fused sparse optimizer (which
+routes them to the ranks owning the rows).
+
+Both offer `rankers(catalog)`, what validation scores (callbacks.Validation).
 """
 import time
 from pathlib import Path
@@ -14,9 +17,12 @@ import torch
 from kernels.dynamic_embedding import ShardedDynamicEmbedding, dump, load
 
 from .config import HSTUConfig
-from .hstu import HSTU, sampled_softmax_loss, valid_mask
+from .evaluate import HSTURanker, SASRecRanker
+from .hstu import HSTU, catalog_softmax_loss, sampled_softmax_loss, valid_mask
+from .sasrec import SASRec, SASRecConfig, bce_loss, negatives_outside_history
 
 EMBEDDING_DUMP_KEY = "embedding_dump"
+LENGTH_GROUPS = 4  # groups of similar lengths a training batch is run in (outputs_at)
 
 
 class HSTULightningModule(L.LightningModule):
@@ -44,13 +50,33 @@ class HSTULightningModule(L.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
 
     def sample_negatives(self) -> torch.Tensor:
-        """Uniform draws from the catalog, different on every rank and step, reproducible."""
+        """The step's negatives, shared by every position: the whole catalog when it has
+        no more than num_negatives items (the loss is then the full softmax), else
+        num_negatives distinct items drawn uniformly, different on every rank and step,
+        reproducible."""
+        n = self.config.num_negatives
+        if n >= len(self.catalog):
+            return self.catalog
         g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.global_step * 1009 + self.global_rank)
-        idx = torch.randint(len(self.catalog), (self.config.num_negatives,), generator=g)
+        idx = torch.randperm(len(self.catalog), generator=g)[:n]
         return self.catalog[idx.to(self.catalog.device)]
 
+    def outputs_at(self, emb: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The model's outputs at the positions `keep` (B, L) selects, in row-major order:
+        those of one padded run over the batch. Rows sorted by length are run in
+        LENGTH_GROUPS groups, each padded only to its own longest sequence: attention over
+        padding is most of the work of a padded run when lengths vary."""
+        outs = []
+        for rows in torch.arange(len(lengths), device=lengths.device).tensor_split(LENGTH_GROUPS):
+            width = int(lengths[rows].max()) if rows.numel() else 0
+            if width:
+                out = self.model(emb[rows, :width], timestamps[rows, :width], lengths[rows])
+                outs.append(out[keep[rows, :width]])
+        return torch.cat(outs) if outs else emb.new_zeros(0, emb.shape[-1])
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        ids, ts, lengths = batch["item_ids"], batch["timestamps"], batch["lengths"]
+        order = torch.argsort(batch["lengths"], stable=True)  # for outputs_at's groups; the loss is a mean
+        ids, ts, lengths = batch["item_ids"][order], batch["timestamps"][order], batch["lengths"][order]
         B, L = ids.shape
         mask = valid_mask(lengths, L)
         seq_ids = ids[mask]  # the batch's items, jagged
@@ -63,15 +89,16 @@ class HSTULightningModule(L.LightningModule):
         in_len = (lengths - 1).clamp(min=0)
         emb = torch.zeros(B, L, self.config.embedding_dim, device=rows.device, dtype=rows.dtype)
         emb[mask] = seq_rows
-        out = self.model(emb[:, :-1], ts[:, :-1], in_len) if L > 1 else emb[:, :0]
         row_of = torch.full((B, L), -1, dtype=torch.long, device=ids.device)
         row_of[mask] = torch.arange(seq_ids.numel(), device=ids.device)
         has_target = mask[:, 1:]
         targets = row_of[:, 1:][has_target]
-        if targets.numel():
-            loss = sampled_softmax_loss(
-                out[has_target], seq_rows[targets], seq_ids[targets], neg_rows, negatives, self.config.temperature
-            )
+        out = self.outputs_at(emb[:, :-1], ts[:, :-1], in_len, has_target)  # (targets, D)
+        if targets.numel() and negatives is self.catalog:  # the full softmax
+            index = torch.searchsorted(self.catalog, seq_ids[targets])
+            loss = catalog_softmax_loss(out, neg_rows, index, self.config.temperature)
+        elif targets.numel():
+            loss = sampled_softmax_loss(out, seq_rows[targets], seq_ids[targets], neg_rows, negatives, self.config.temperature)
         else:  # no targets here: a zero that still touches every weight, so DDP's all-reduce runs
             loss = out.sum() * 0.0 + sum(p.sum() for p in self.model.parameters()) * 0.0 + rows.sum() * 0.0
 
@@ -99,11 +126,20 @@ class HSTULightningModule(L.LightningModule):
         self._last_step_end = None  # the first step's time includes data start-up
         self.item_table.local.epoch = self.current_epoch  # the epoch_* eviction policies
 
+    def rankers(self, catalog: torch.Tensor) -> dict:
+        """What validation scores: the model over its item table (collective: every rank
+        reads the catalog's rows)."""
+        return {"model": HSTURanker(self.model, self.item_table, catalog, self.device)}
+
     # ---- checkpoints: Lightning saves dense state; the table is dumped beside it ----------
+    def dump_name(self) -> str:
+        """The embedding dump the next checkpoint writes beside itself."""
+        return f"embeddings-step-{self.global_step:08d}"
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.checkpoint_dir is None:
             raise RuntimeError("HSTULightningModule needs checkpoint_dir to save checkpoints")
-        name = f"embeddings-step-{self.global_step:08d}"
+        name = self.dump_name()
         # replace: a crash after this dump but before its checkpoint left one behind
         dump(self.item_table, self.checkpoint_dir / name, metadata={"global_step": self.global_step}, replace=True)
         checkpoint[EMBEDDING_DUMP_KEY] = name
@@ -111,3 +147,42 @@ class HSTULightningModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.item_table = self._new_table()
         load(self.item_table, self.checkpoint_dir / checkpoint[EMBEDDING_DUMP_KEY])
+
+
+class SASRecLightningModule(L.LightningModule):
+    """SASRec trained as published: Adam on every weight (the item embedding included),
+    binary cross-entropy with one negative per position. Items are numbered by their
+    place in `catalog` (the training split's items, sorted)."""
+
+    def __init__(self, config: SASRecConfig, catalog: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.model = SASRec(config)
+        self.register_buffer("catalog", catalog.to(torch.int64), persistent=False)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.model.parameters(), lr=self.config.lr, betas=self.config.betas)
+
+    def indices(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Raw ids (B, L) → catalog indices 1..M, 0 at padding."""
+        pos = torch.searchsorted(self.catalog, ids).clamp(max=len(self.catalog) - 1) + 1
+        return pos * valid_mask(lengths, ids.shape[1])
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        items = self.indices(batch["item_ids"], batch["lengths"])
+        B, L = items.shape
+        in_len = (batch["lengths"] - 1).clamp(min=0)
+        hidden = self.model(items[:, :-1], in_len) if L > 1 else items.new_zeros(B, 0, self.config.hidden_dim).float()
+        targets, mask = items[:, 1:], valid_mask(in_len, max(L - 1, 0))
+        if not mask.any():  # no targets: a zero that still touches every weight, for DDP
+            return sum(p.sum() for p in self.model.parameters()) * 0.0
+        history = torch.zeros(B, self.config.num_items + 1, dtype=torch.bool, device=items.device)
+        history.scatter_(1, items, True)
+        g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.global_step * 1009 + self.global_rank)
+        negatives = negatives_outside_history(targets, self.config.num_items, history, g)
+        loss = bce_loss(hidden, targets, negatives, self.model.items.weight, mask)
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=B)
+        return loss
+
+    def rankers(self, catalog: torch.Tensor) -> dict:
+        return {"model": SASRecRanker(self.model, self.catalog.cpu(), catalog, self.device)}

@@ -3,60 +3,44 @@
     torchrun --nproc-per-node N -m lightning_modules.train --data-dir D --out-dir O ...
 
 torchrun (or a PyTorchJob's PET_* variables) sets up the processes; Lightning sees a
-TorchElastic environment and runs DDP over gloo (CPU) or NCCL (GPU). The run resumes from
-the newest checkpoint in `<out-dir>/checkpoints`, and ends by writing `<out-dir>/model`.
-MLflow is used only when a tracking URI is given.
+TorchElastic environment and runs DDP over gloo (CPU) or NCCL (GPU). After every epoch
+the model is validated on the `valid` split (full ranking) and checkpointed; training
+stops at --epochs, or once validation NDCG@10 has not improved for --patience
+validations, and `<out-dir>/model` is written from the best validated checkpoint. The
+run resumes from the newest checkpoint in `<out-dir>/checkpoints`. --model sasrec trains
+the SASRec baseline the same way. MLflow is used only when a tracking URI is given.
 """
 import argparse
 import os
-import re
-import shutil
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from . import model_files
+from .callbacks import EpochCheckpoint, Validation, latest_checkpoint
 from .config import PRESETS, preset
 from .data import SequenceDataModule
-from .module import HSTULightningModule
+from .module import HSTULightningModule, SASRecLightningModule
+from .sasrec import SASRecConfig
 
-CHECKPOINT_RE = re.compile(r"epoch=(\d+)\.ckpt$")
-
-
-class EpochCheckpoint(Callback):
-    """Saves `epoch=N.ckpt` after every epoch, renamed into place once complete, and keeps
-    the newest `keep` checkpoints with their embedding dumps."""
-
-    def __init__(self, directory: Path, keep: int = 2):
-        self.directory, self.keep = directory, keep
-
-    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        final = self.directory / f"epoch={trainer.current_epoch:04d}.ckpt"
-        tmp = final.with_name(f".{final.name}.partial")
-        trainer.save_checkpoint(tmp, weights_only=False)  # every rank: the module dumps its table shard
-        if trainer.is_global_zero:
-            os.replace(tmp, final)
-            # one dump per checkpoint, both named in increasing order
-            for pattern in ("epoch=*.ckpt", "embeddings-step-*"):
-                for old in sorted(self.directory.glob(pattern))[: -self.keep]:
-                    shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    found = sorted((int(m.group(1)), p) for p in directory.glob("epoch=*.ckpt") if (m := CHECKPOINT_RE.search(p.name)))
-    return found[-1][1] if found else None
+MODELS = ("hstu", "sasrec")
+MONITOR = "ndcg@10"  # the validation metric that picks the best checkpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hstu-train", description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", required=True, help="output of the prepare step")
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--model", default="hstu", choices=MODELS, help="HSTU, or the SASRec baseline")
     p.add_argument("--preset", default="hstu", choices=sorted(PRESETS))
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1, help="the most epochs to train")
+    p.add_argument("--patience", type=int, default=None,
+                   help="stop once validation has not improved for this many validations (default: never)")
+    p.add_argument("--val-every", type=int, default=1, help="epochs between validations")
+    p.add_argument("--val-users", type=int, default=10_000, help="validate on a fixed sample of this many users at most")
     p.add_argument("--max-steps", type=int, default=-1, help="stop early (benchmarks, smoke tests)")
-    p.add_argument("--batch-size", type=int)
+    p.add_argument("--batch-size", type=int, help="sequences per step, over all processes")
     p.add_argument("--max-seq-len", type=int)
     p.add_argument("--num-negatives", type=int)
     p.add_argument("--lr", type=float)
@@ -70,35 +54,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def model_config(args, catalog_size: int):
+    """HSTU's config (the preset with the flags given), or for --model sasrec SASRec's
+    published settings with the flags given."""
+    given = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "lr": args.lr, "dropout": args.dropout, "seed": args.seed}
+    if args.model == "sasrec":
+        return SASRecConfig(num_items=catalog_size, **{k: v for k, v in given.items() if v is not None})
+    return preset(args.preset).override(num_negatives=args.num_negatives, **given)
+
+
 def main(argv=None) -> Path:
     args = parse_args(argv)
-    config = preset(args.preset).override(
-        batch_size=args.batch_size,
-        max_seq_len=args.max_seq_len,
-        num_negatives=args.num_negatives,
-        lr=args.lr,
-        dropout=args.dropout,
-        seed=args.seed,
-    )
-    L.seed_everything(config.seed, workers=True, verbose=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     out = Path(args.out_dir)
     ckpt_dir = out / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     accelerator = args.accelerator
     if accelerator == "auto":
         accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+
+    probe = SequenceDataModule(args.data_dir, 1, 1)
+    catalog = probe.catalog()
+    config = model_config(args, len(catalog))
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    if config.batch_size % world:
+        raise SystemExit(f"--batch-size {config.batch_size} does not split over {world} processes")
+    data = SequenceDataModule(  # SASRec keeps its published sampling: each sequence's last window
+        args.data_dir, config.max_seq_len, config.batch_size // world, random_windows=getattr(config, "random_windows", False)
+    )
+    if args.model == "hstu":
+        module = HSTULightningModule(config, catalog, checkpoint_dir=ckpt_dir)
+    else:
+        module = SASRecLightningModule(config, catalog)
+
     logger = False
     if args.tracking_uri:
         from lightning.pytorch.loggers import MLFlowLogger  # imports mlflow only when asked
 
         logger = MLFlowLogger(experiment_name="hstu", tracking_uri=args.tracking_uri, run_id=args.run_id)
-        logger.log_hyperparams({f"model/{k}": v for k, v in config.to_dict().items()})
+        prefix = "model/" if args.model == "hstu" else f"{args.model}/"
+        logger.log_hyperparams({f"{prefix}{k}": v for k, v in config.to_dict().items()})
 
-    data = SequenceDataModule(args.data_dir, config.max_seq_len, config.batch_size)
-    module = HSTULightningModule(config, data.catalog(), checkpoint_dir=ckpt_dir)
+    validation = Validation(args.data_dir, args.val_every, args.val_users, MONITOR, args.patience)
+    checkpoints = EpochCheckpoint(ckpt_dir, validation)
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=per_node,
@@ -109,7 +108,7 @@ def main(argv=None) -> Path:
         logger=logger,
         log_every_n_steps=args.log_every,
         enable_checkpointing=False,
-        callbacks=[EpochCheckpoint(ckpt_dir)],
+        callbacks=[validation, checkpoints],  # in this order: see callbacks.py
         enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -118,9 +117,22 @@ def main(argv=None) -> Path:
     if resume and trainer.is_global_zero:
         print(f"resuming from {resume}", flush=True)
     trainer.fit(module, datamodule=data, ckpt_path=resume, weights_only=True)
-    return model_files.save(
-        out / "model", module.model, module.item_table, metadata={"global_step": trainer.global_step}
-    )
+    best = checkpoints.best_path
+    if best is not None:  # the model of the best validation, not the last epoch's
+        if trainer.is_global_zero:
+            print(f"best validation {MONITOR} {validation.best_value:.4f}: {best.name}", flush=True)
+        state = torch.load(best, map_location=module.device, weights_only=True)
+        module.load_state_dict(state["state_dict"])
+        module.on_load_checkpoint(state)
+    metadata = {"global_step": trainer.global_step, "best_checkpoint": best.name if best else None,
+                f"best_val_{MONITOR}": validation.best_value, "seed": config.seed}
+    if args.model == "hstu":
+        return model_files.save(out / "model", module.model, module.item_table, metadata=metadata)
+    if trainer.is_global_zero:
+        model_files.save_sasrec(out / "model", module.model, catalog, metadata=metadata)
+    if world > 1:
+        torch.distributed.barrier()
+    return out / "model"
 
 
 if __name__ == "__main__":

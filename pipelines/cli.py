@@ -6,6 +6,7 @@ from pathlib import Path
 import yaml
 
 from lightning_modules.config import PRESETS
+from components.steps import BASELINES
 from lightning_modules.datasets import DATASETS
 
 
@@ -17,9 +18,16 @@ def _add_data_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-users", type=int, default=6040)
 
 
+# the training recipe's defaults: validate after every epoch, keep the best, stop once
+# validation has not improved for PATIENCE epochs, or after EPOCHS
+EPOCHS, PATIENCE = 200, 20
+
+
 def _add_training(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="training processes (torchrun)")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=EPOCHS, help="the most epochs to train")
+    p.add_argument("--patience", type=int, default=PATIENCE,
+                   help="stop once validation has not improved for this many epochs (-1: train every epoch)")
     p.add_argument("--preset", default="hstu", choices=sorted(PRESETS))
     p.add_argument("--train-args", default="", help="extra flags for the training worker, e.g. '--batch-size 64'")
 
@@ -46,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training(p)
     p.add_argument("--work-dir", required=True)
     p.add_argument("--tracking-uri", default="", help="MLflow server; default sqlite:///<work-dir>/mlflow.db")
+    p.add_argument("--baselines", default=",".join(BASELINES),
+                   help=f"comma-separated, trained and evaluated beside the model: {', '.join(BASELINES)} (empty: none)")
 
     p = sub.add_parser("prepare", help="raw interactions → sequences + leave-one-out split")
     _add_data_source(p)
@@ -54,16 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train with local worker processes")
     p.add_argument("--data-dir", required=True, help="output of `hstu prepare`")
     p.add_argument("--out", required=True)
+    p.add_argument("--model", default="hstu", choices=("hstu", "sasrec"), help="HSTU, or the SASRec baseline")
+    p.add_argument("--seed", type=int, default=0, help="seeds the training")
     _add_training(p)
 
     p = sub.add_parser("dump", help="a trained model as one verified single-shard model directory")
     p.add_argument("--train-dir", required=True)
     p.add_argument("--out", required=True)
 
-    p = sub.add_parser("evaluate", help="full-ranking HR/NDCG/MRR and the most-popular baseline")
+    p = sub.add_parser("evaluate", help="full-ranking HR/NDCG/MRR of the model and the baselines")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--data-dir", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--baselines", default="most-popular", help=f"comma-separated: {', '.join(BASELINES)}")
+    p.add_argument("--baselines-dir", default="", help="holds sasrec/model when sasrec is asked for")
 
     p = sub.add_parser("export", help="the versioned serving artifact")
     p.add_argument("--model-dir", required=True)
@@ -104,7 +118,7 @@ def main(argv=None) -> int:
 
         results = run_local(
             args.work_dir, args.dataset, args.data_dir, args.input, args.workers, args.epochs, args.preset,
-            args.train_args, args.tracking_uri, args.seed, args.synthetic_users,
+            args.train_args, args.patience, args.baselines, args.tracking_uri, args.seed, args.synthetic_users,
         )
         _print_results(results, Path(args.work_dir) / "metrics.json")
     elif args.command == "prepare":
@@ -114,7 +128,10 @@ def main(argv=None) -> int:
     elif args.command == "train":
         from components.steps import train_step
 
-        train_step(args.data_dir, args.out, args.workers, args.preset, args.epochs, args.train_args)
+        train_step(
+            args.data_dir, args.out, args.workers, args.preset, args.epochs, args.train_args, patience=args.patience,
+            model=args.model, seed=args.seed,
+        )
     elif args.command == "dump":
         from components.steps import dump_step
 
@@ -122,7 +139,7 @@ def main(argv=None) -> int:
     elif args.command == "evaluate":
         from components.steps import evaluate_step
 
-        evaluate_step(args.model_dir, args.data_dir, args.out)
+        evaluate_step(args.model_dir, args.data_dir, args.out, baselines=args.baselines, baselines_dir=args.baselines_dir)
     elif args.command == "export":
         from components.steps import export_step
 
@@ -156,7 +173,7 @@ def _manifest(args) -> None:
         name=args.name, namespace=args.namespace, image=args.image or DEFAULT_IMAGE,
         train_args=train_args(
             args.data_dir, args.out_dir, args.preset, args.epochs, args.tracking_uri, args.run_id,
-            args.train_args.split() + ["--no-progress-bar"],
+            args.train_args.split() + ["--no-progress-bar"], args.patience,
         ),
         nodes=args.nodes, nproc_per_node=args.nproc_per_node, cpu=args.cpu, memory=args.memory,
         gpus=args.gpus, pvc=args.pvc, mount_path=args.mount_path,
@@ -174,11 +191,12 @@ def _manifest(args) -> None:
 
 
 def _print_results(results: dict, path: Path) -> None:
-    model, base = results["model"], results["most_popular"]
-    print(f"\n{'metric':<10}{'model':>10}{'most-popular':>14}")
+    rankers = [n for n in ("model", "sasrec", "most_popular") if n in results]
+    print(f"\n{'metric':<10}" + "".join(f"{n.replace('_', '-'):>14}" for n in rankers))
     for k in ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr"):
-        print(f"{k:<10}{model[k]:>10.4f}{base[k]:>14.4f}")
-    print(f"\nmetrics: {path}\nMLflow run {results['run_id']} at {results['tracking_uri']}")
+        print(f"{k:<10}" + "".join(f"{results[n][k]:>14.4f}" for n in rankers))
+    print(f"\n{results['model']['users']} users, seed {results['seed']}")
+    print(f"metrics: {path}\nMLflow run {results['run_id']} at {results['tracking_uri']}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ def run_local(
     epochs: int = 1,
     preset: str = "hstu",
     extra_args: str = "",
+    patience: int = -1,
+    baselines: str = "most-popular",
     tracking_uri: str = "",
     seed: int = 0,
     synthetic_users: int = 6040,
@@ -32,7 +34,7 @@ def run_local(
     tracking_uri = tracking_uri or tracking.default_tracking_uri(work)
     params = {
         "dataset": dataset, "workers": workers, "epochs": epochs, "preset": preset,
-        "seed": seed, "extra_args": extra_args, "work_dir": str(work),
+        "seed": seed, "patience": patience, "baselines": baselines, "extra_args": extra_args, "work_dir": str(work),
     }
     run_id = tracking.start_run(
         tracking_uri, run_name=f"{dataset}-{preset}", artifact_root=str(work / "mlartifacts") if embedded else None
@@ -45,14 +47,14 @@ def run_local(
         build()(
             work_dir=str(work), dataset=dataset, data_dir=str(Path(data_dir).resolve()) if data_dir else "",
             input_file=str(Path(input_file).resolve()) if input_file else "", seed=seed,
-            synthetic_users=synthetic_users, workers=workers, preset=preset, epochs=epochs,
-            extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id,
+            synthetic_users=synthetic_users, workers=workers, preset=preset, epochs=epochs, patience=patience,
+            baselines=baselines, extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id,
         )
     except BaseException:
         tracking.finish_run(tracking_uri, run_id, "FAILED")
         raise
     tracking.finish_run(tracking_uri, run_id)
     results = json.loads((work / "evaluation" / "metrics.json").read_text())
-    results |= {"run_id": run_id, "tracking_uri": tracking_uri}
+    results |= {"run_id": run_id, "tracking_uri": tracking_uri, "seed": seed}
     (work / "metrics.json").write_text(json.dumps(results, indent=2))
     return results

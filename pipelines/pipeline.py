@@ -1,4 +1,4 @@
-"""The pipeline: prepare_data → train → dump → evaluate → export."""
+"""The pipeline: prepare_data → train (and train_baselines beside it) → dump → evaluate → export."""
 from kfp import compiler, dsl
 
 from components import kfp_components
@@ -29,6 +29,8 @@ def build(image: str = DEFAULT_IMAGE, pvc: str | None = None, mount_path: str = 
         workers: int = 1,
         preset: str = "hstu",
         epochs: int = 1,
+        patience: int = -1,
+        baselines: str = "most-popular",
         extra_args: str = "",
         tracking_uri: str = "",
         run_id: str = "",
@@ -43,14 +45,25 @@ def build(image: str = DEFAULT_IMAGE, pvc: str | None = None, mount_path: str = 
         )
         train = on_volume(
             ops["train"](
-                data_dir=prep.output, work_dir=work_dir, workers=workers, preset=preset, epochs=epochs,
+                data_dir=prep.output, work_dir=work_dir, workers=workers, preset=preset, epochs=epochs, patience=patience, seed=seed,
                 extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id, launcher=launcher, job_spec=job_spec,
             )
         )
         train.set_caching_options(False)
+        trained_baselines = on_volume(
+            ops["train_baselines"](
+                data_dir=prep.output, work_dir=work_dir, baselines=baselines, workers=workers, epochs=epochs,
+                patience=patience, seed=seed, extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id, launcher=launcher,
+                job_spec=job_spec,
+            )
+        )
+        trained_baselines.set_caching_options(False)
         dump = on_volume(ops["dump"](train_dir=train.output, work_dir=work_dir, tracking_uri=tracking_uri, run_id=run_id))
         evaluation = on_volume(
-            ops["evaluate"](model_dir=dump.output, data_dir=prep.output, work_dir=work_dir, tracking_uri=tracking_uri, run_id=run_id)
+            ops["evaluate"](
+                model_dir=dump.output, data_dir=prep.output, baselines=baselines, baselines_dir=trained_baselines.output,
+                work_dir=work_dir, tracking_uri=tracking_uri, run_id=run_id,
+            )
         )
         on_volume(
             ops["export"](

@@ -5,7 +5,7 @@ import torch
 from lightning_modules.config import HSTUConfig, preset
 from lightning_modules.data import pad_batch
 from lightning_modules.evaluate import ranking_metrics, target_ranks
-from lightning_modules.hstu import HSTU, sampled_softmax_loss
+from lightning_modules.hstu import HSTU, catalog_softmax_loss, sampled_softmax_loss
 from lightning_modules.module import HSTULightningModule
 
 SMALL = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, embedding_dim=16, max_seq_len=12, num_negatives=5, batch_size=4)
@@ -16,8 +16,7 @@ def test_presets_are_the_papers_ml1m_settings():
     assert (base.num_blocks, base.num_heads, base.attention_dim, base.embedding_dim) == (2, 1, 50, 50)
     assert (large.num_blocks, large.num_heads, large.attention_dim, large.linear_dim) == (8, 2, 25, 25)
     for c in (base, large):
-        assert (c.max_seq_len, c.dropout, c.lr, c.betas, c.batch_size, c.num_negatives, c.temperature) == (
-            200, 0.2, 1e-3, (0.9, 0.98), 128, 128, 0.05)
+        assert (c.max_seq_len, c.dropout, c.lr, c.betas, c.batch_size, c.temperature) == (200, 0.2, 4e-3, (0.9, 0.98), 128, 0.1)
 
 
 def test_output_is_causal_normalized_and_ignores_padding():
@@ -48,6 +47,15 @@ def test_sampled_softmax_masks_accidental_hits():
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(manual_logits, torch.zeros(3, dtype=torch.long)))
 
 
+def test_the_catalog_softmax_is_the_sampled_softmax_over_every_item():
+    out = torch.nn.functional.normalize(torch.randn(5, 4), dim=-1)
+    catalog_emb = torch.randn(7, 4)
+    target = torch.tensor([0, 3, 3, 6, 2])
+    full = catalog_softmax_loss(out, catalog_emb, target, 0.05)
+    sampled = sampled_softmax_loss(out, catalog_emb[target], target, catalog_emb, torch.arange(7), 0.05)
+    torch.testing.assert_close(full, sampled)
+
+
 def test_ranking_metrics_and_history_exclusion():
     m = ranking_metrics(torch.tensor([0, 9, 10, 199]), ks=(10, 200))
     assert m["hr@10"] == 0.5 and m["hr@200"] == 1.0
@@ -71,3 +79,18 @@ def test_training_step_on_batches_with_and_without_targets():
     assert trainer.global_step == 3
     assert module.item_table.stats().size > 2  # items and negatives got rows
     assert any(not torch.equal(w, p) for w, p in zip(weights, module.model.parameters()))
+
+
+def test_outputs_by_length_groups_equal_one_padded_run():
+    module = HSTULightningModule(SMALL, catalog=torch.arange(100, 130)).eval()
+    lengths = torch.tensor([1, 3, 12, 5, 7, 0, 12, 2, 9])  # sorted or not, empty and full rows
+    lengths = lengths.sort().values
+    B, L = len(lengths), 12
+    emb = torch.randn(B, L, 16)
+    ts = torch.randint(0, 10**6, (B, L)).sort(1).values
+    keep = torch.arange(L)[None] < (lengths - 1).clamp(min=0)[:, None]
+    with torch.no_grad():
+        grouped = module.outputs_at(emb, ts, lengths, keep)
+        padded = module.model(emb, ts, lengths)[keep]
+    assert grouped.shape == (int(keep.sum()), 16)
+    torch.testing.assert_close(grouped, padded)

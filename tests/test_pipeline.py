@@ -27,11 +27,13 @@ def pipeline_run(tmp_path_factory):
     return work
 
 
-def test_run_writes_metrics_for_model_and_baseline(pipeline_run):
+def test_run_writes_metrics_for_the_model_and_both_baselines(pipeline_run):
     results = json.loads((pipeline_run / "metrics.json").read_text())
-    for who in ("model", "most_popular"):
+    for who in ("model", "sasrec", "most_popular"):
         assert results[who]["users"] == 48
         assert 0 <= results[who]["ndcg@10"] <= results[who]["hr@10"] <= results[who]["hr@50"] <= results[who]["hr@200"] <= 1
+    assert results["seed"] == 0
+    assert (pipeline_run / "baselines" / "sasrec" / "model" / "model.json").is_file()
     assert results["tracking_uri"] == f"sqlite:///{pipeline_run.resolve() / 'mlflow.db'}"
     # artifacts stay in the work directory, not in ./mlruns of the current directory
     assert any((pipeline_run / "mlartifacts").rglob("training_curve.png"))
@@ -44,11 +46,17 @@ def test_mlflow_run_has_params_curves_metrics_artifacts_and_a_registered_model(p
     run = client.get_run(results["run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["dataset"] == "synthetic" and run.data.params["model/num_blocks"] == "2"
-    steps = read_manifest(pipeline_run / "train" / "model" / "embeddings")["step"]
+    steps = json.loads((pipeline_run / "train" / "model" / "model.json").read_text())["metadata"]["global_step"]
     loss = client.get_metric_history(run.info.run_id, "train/loss")
     assert len(loss) == steps and steps > 2
     assert run.data.metrics["test/hr_at_10"] == pytest.approx(results["model"]["hr@10"])
-    assert run.data.metrics["baseline/ndcg_at_10"] == pytest.approx(results["most_popular"]["ndcg@10"])
+    assert run.data.metrics["baseline/most_popular/ndcg_at_10"] == pytest.approx(results["most_popular"]["ndcg@10"])
+    assert run.data.metrics["baseline/sasrec/ndcg_at_10"] == pytest.approx(results["sasrec"]["ndcg@10"])
+    epochs = len(client.get_metric_history(run.info.run_id, "val/ndcg_at_10"))
+    assert epochs == 2  # validated after each epoch
+    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    assert [c.info.run_name for c in children] == ["sasrec"]
+    assert len(client.get_metric_history(children[0].info.run_id, "val/ndcg_at_10")) == 2
     assert run.data.metrics["emb/size"] > 0
     assert {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")} == {
         "evaluation/metrics.json", "evaluation/training_curve.png"}
@@ -80,10 +88,11 @@ def test_compiled_pipeline_loads_back_with_kfp(tmp_path):
     assert component.name == "hstu-train-evaluate-export"
     docs = list(yaml.safe_load_all(path.read_text()))
     tasks = docs[0]["root"]["dag"]["tasks"]
-    assert set(tasks) == {"prepare-data", "train", "dump", "evaluate", "export"}
+    assert set(tasks) == {"prepare-data", "train", "train-baselines", "dump", "evaluate", "export"}
     assert tasks["export"]["dependentTasks"] == ["dump", "evaluate", "prepare-data"]
+    assert tasks["evaluate"]["dependentTasks"] == ["dump", "prepare-data", "train-baselines"]
     executors = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
-    assert all(e["pvcMount"][0]["constant"] == "hstu-work" for e in executors.values()) and len(executors) == 5
+    assert all(e["pvcMount"][0]["constant"] == "hstu-work" for e in executors.values()) and len(executors) == 6
     images = {e["container"]["image"] for e in docs[0]["deploymentSpec"]["executors"].values()}
     assert images == {"registry.example/hstu:1"}
 

@@ -14,7 +14,6 @@ Loading works on any world size: each rank reads every shard and keeps the keys 
 An incremental dump holds only rows whose score reached `min_score` (with LRU scores:
 rows touched since a step); load it after its base to bring the table up to date.
 """
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..files import file_digest, fsync_path, write_json_atomic
 from .embedding import EmbeddingConfig, ShardedDynamicEmbedding
 from .hashing import shard_of
 
@@ -43,30 +43,6 @@ class DumpError(RuntimeError):
 def barrier(world_size: int, group) -> None:
     if world_size > 1:
         dist.barrier(group=group)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Writes JSON through a temporary file, fsync and rename: never a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    _fsync(tmp)
-    os.replace(tmp, path)
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -107,8 +83,8 @@ def _write_shard(directory: Path, rank: int, world: int, rows: tuple) -> None:
     """One rank's shard, fsynced, and beside it its completion record (bytes, sha256, rows)."""
     shard = directory / shard_name(rank, world)
     save_file({k: v.detach().contiguous().cpu() for k, v in zip(_TENSORS, rows)}, shard)
-    _fsync(shard)
-    record = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": sha256_of(shard), "rows": len(rows[0])}
+    fsync_path(shard)
+    record = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": file_digest(shard), "rows": len(rows[0])}
     write_json_atomic(_record_path(directory, rank, world), record)
 
 
@@ -138,7 +114,7 @@ def _commit(
         "shards": shards,
     }
     write_json_atomic(directory / MANIFEST, manifest)
-    _fsync(directory)
+    fsync_path(directory)
     if path.exists():
         if not replace:
             raise DumpError(f"{path}: already exists")
@@ -149,7 +125,7 @@ def _commit(
         shutil.rmtree(old)
     else:
         os.replace(directory, path)
-    _fsync(path.parent)
+    fsync_path(path.parent)
 
 
 def read_format_json(path: Path, fmt: str, version: int, missing: str) -> dict:
@@ -177,7 +153,7 @@ def read_manifest(path: str | Path) -> dict:
             raise DumpError(f"{f}: shard listed in the manifest is missing")
         if f.stat().st_size != s["bytes"]:
             raise DumpError(f"{f}: {f.stat().st_size} bytes, manifest says {s['bytes']} (truncated?)")
-        if sha256_of(f) != s["sha256"]:
+        if file_digest(f) != s["sha256"]:
             raise DumpError(f"{f}: checksum mismatch (corrupted)")
     return manifest
 

@@ -1,0 +1,125 @@
+"""Training callbacks: validation after each epoch with early stopping, and epoch
+checkpoints that keep the best one.
+
+`Validation` runs first at the end of an epoch: it logs `val/*`, tracks the best value of
+its monitored metric and stops training once that has not improved for `patience`
+validations. `EpochCheckpoint`, after it in the trainer's callback list, saves the epoch
+and keeps it as the best checkpoint when the validation just improved.
+"""
+import os
+import re
+import shutil
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from .evaluate import catalog_of, evaluate_rankers
+
+CHECKPOINT_RE = re.compile(r"epoch=(\d+)\.ckpt$")
+DUMP_PATTERN = "embeddings-step-*"
+
+
+class Validation(Callback):
+    """Full-ranking metrics of the module's ranker on the `valid` split (a fixed sample of
+    max_users users where larger) every `every` epochs and after the last, logged as
+    val/<metric> (val/ndcg_at_10, ...). Every rank scores its share of the users; the
+    metrics, and so the decision to stop, are the same on all of them. `monitor` (higher is better) picks the
+    best validation; with `patience`, training stops after that many validations without
+    a better one."""
+
+    def __init__(
+        self, data_dir: str | Path, every: int = 1, max_users: int | None = 10_000, monitor: str = "ndcg@10",
+        patience: int | None = None,
+    ):
+        self.data_dir, self.every, self.max_users = Path(data_dir), every, max_users
+        self.monitor, self.patience = monitor, patience
+        self.catalog = catalog_of(self.data_dir)
+        self.best_value: float | None = None
+        self.best_epoch: int | None = None
+        self.since_best = 0  # validations since the best
+        self.improved = False  # the last epoch's validation was the best so far
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        self.improved = False
+        if (epoch + 1) % self.every and epoch + 1 != trainer.max_epochs:
+            return
+        module.eval()
+        try:
+            metrics = evaluate_rankers(module.rankers(self.catalog), self.data_dir, "valid", self.catalog, self.max_users)["model"]
+        finally:
+            module.train()
+        for name, value in metrics.items():
+            if name != "users":  # named as the pipeline's test metrics: val/ndcg_at_10
+                # Every rank holds the same all-reduced value; sync_dist averages equal numbers.
+                module.log(f"val/{name.replace('@', '_at_')}", value, on_epoch=True, sync_dist=True)
+        value = metrics[self.monitor]
+        if self.best_value is None or value > self.best_value:
+            self.best_value, self.best_epoch, self.since_best, self.improved = value, epoch, 0, True
+        else:
+            self.since_best += 1
+        if self.patience is not None and self.since_best >= self.patience:
+            trainer.should_stop = True
+        if trainer.is_global_zero:
+            shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in ("hr@10", "ndcg@10", "hr@50", "mrr"))
+            note = " (best)" if self.improved else f" (best: epoch {self.best_epoch})"
+            print(f"epoch {epoch}: validation {shown}, {metrics['users']} users{note}", flush=True)
+
+    def state_dict(self) -> dict:
+        return {"best_value": self.best_value, "best_epoch": self.best_epoch, "since_best": self.since_best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_value, self.best_epoch, self.since_best = state["best_value"], state["best_epoch"], state["since_best"]
+
+
+class EpochCheckpoint(Callback):
+    """Saves `epoch=N.ckpt` after every epoch, renamed into place once complete, keeps the
+    newest `keep` checkpoints, and keeps the best one by `validation` (the epoch whose
+    validation was the best so far), each with its embedding dump. `best_path` names the
+    best checkpoint (None before any validation)."""
+
+    def __init__(self, directory: Path, validation: Validation | None = None, keep: int = 2):
+        self.directory, self.validation, self.keep = Path(directory), validation, keep
+        self.best_name: str | None = None
+        self.dumps: dict[str, str] = {}  # checkpoint name -> the embedding dump it names
+
+    @property
+    def best_path(self) -> Path | None:
+        return self.directory / self.best_name if self.best_name else None
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        final = self.directory / f"epoch={trainer.current_epoch:04d}.ckpt"
+        if self.validation is not None and self.validation.improved:
+            self.best_name = final.name
+        dump = getattr(module, "dump_name", lambda: None)()
+        if dump:
+            self.dumps[final.name] = dump  # before saving: the saved state knows its own dump
+        tmp = final.with_name(f".{final.name}.partial")
+        trainer.save_checkpoint(tmp, weights_only=False)  # every rank: the module dumps its table shard
+        if trainer.is_global_zero:
+            os.replace(tmp, final)
+            self._prune()
+
+    def _prune(self) -> None:
+        """Keeps the newest `keep` checkpoints and the best, and the dumps they name."""
+        ckpts = sorted(self.directory.glob("epoch=*.ckpt"))
+        keep = {p.name for p in ckpts[-self.keep :]} | ({self.best_name} if self.best_name else set())
+        for old in ckpts:
+            if old.name not in keep:
+                old.unlink()
+        self.dumps = {c: d for c, d in self.dumps.items() if c in keep}
+        for dump in self.directory.glob(DUMP_PATTERN):
+            if dump.name not in self.dumps.values():
+                shutil.rmtree(dump)
+
+    def state_dict(self) -> dict:
+        return {"best_name": self.best_name, "dumps": dict(self.dumps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_name, self.dumps = state["best_name"], dict(state["dumps"])
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    found = sorted((int(m.group(1)), p) for p in directory.glob("epoch=*.ckpt") if (m := CHECKPOINT_RE.search(p.name)))
+    return found[-1][1] if found else None
