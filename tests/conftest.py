@@ -39,3 +39,16 @@ def shared_dir() -> Path:
     if not (SHARED / "datasets").is_dir():
         pytest.skip("../shared/datasets is not present")
     return SHARED
+
+
+@pytest.fixture
+def poisoned_memory():
+    """torch.empty returns NaN-filled memory (deterministic mode's fill), so that an output
+    element a kernel leaves unwritten shows as NaN."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(before)

@@ -11,15 +11,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 16 if DEVICE == "cuda" else 1  # sequences per batch on a GPU
 
 
-@pytest.fixture(autouse=True)
-def poisoned_memory():
-    """torch.empty returns NaN-filled memory: a kernel that leaves an output element
-    unwritten shows as NaN."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(before)
+pytestmark = pytest.mark.usefixtures("poisoned_memory")  # (conftest.py)
 
 
 def random_lengths(gen: torch.Generator, batch: int, longest: int) -> torch.Tensor:

@@ -10,14 +10,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 64 if DEVICE == "cuda" else 1  # bags per batch and table rows on a GPU
 
 
-@pytest.fixture(autouse=True)
-def poisoned_memory():
-    """torch.empty returns NaN-filled memory: an output element left unwritten shows."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(before)
+pytestmark = pytest.mark.usefixtures("poisoned_memory")  # (conftest.py)
 
 
 def bags(gen, batch, longest, rows):

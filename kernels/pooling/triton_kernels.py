@@ -7,11 +7,11 @@ time and sums them in float32. Backward: the same programs add the bag's output 
 into a float32 gradient (ids repeat across bags). The block shapes are autotuned on the
 device by width; Triton's interpreter (no device) runs one configuration.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from ..autotune import autotuned
 
 MEAN_MODE = {"sum": False, "mean": True}
 # (ids per step, columns per program, warps): few ids per step suit short bags, wide
@@ -20,14 +20,7 @@ CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w)
     for n, d, w in ((8, 64, 2), (16, 64, 2), (16, 128, 4), (32, 128, 4), (8, 128, 2), (16, 256, 4), (32, 64, 4))
 ]
-INTERPRETER_CONFIG = [triton.Config({"BLOCK_N": 8, "BLOCK_D": 32}, num_warps=1)]
-
-
-def _tuned(kernel, reset_to_zero=None):
-    """kernel autotuned by width; outputs in reset_to_zero are zeroed before each trial
-    (the backward adds into its output)."""
-    configs = INTERPRETER_CONFIG if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS
-    return triton.autotune(configs=configs, key=["dim"], reset_to_zero=reset_to_zero)(kernel)
+INTERPRETER_CONFIG = triton.Config({"BLOCK_N": 8, "BLOCK_D": 32}, num_warps=1)
 
 
 @triton.jit
@@ -79,8 +72,9 @@ def _pool_backward_kernel(
         tl.atomic_add(rows, tl.broadcast_to(g[None, :], (BLOCK_N, BLOCK_D)), mask=m, sem="relaxed")
 
 
-_pool = _tuned(_pool_kernel)
-_pool_backward = _tuned(_pool_backward_kernel, reset_to_zero=["weight_grad_ptr"])
+_pool = autotuned(_pool_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"])
+# (the backward adds into its output: zeroed before each trial)
+_pool_backward = autotuned(_pool_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"], reset_to_zero=["weight_grad_ptr"])
 
 
 def _grid(bags: int, dim: int):

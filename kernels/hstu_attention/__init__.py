@@ -1,0 +1,56 @@
+"""HSTU attention on jagged sequences, forward and backward: the Triton kernels on CUDA and
+the pure-PyTorch twin elsewhere (backend "triton" or "reference" picks one; "auto" by
+device). reference.py states the computation and its masks (causal, target tokens, a
+context prefix); both paths are differentiable in q, k, v and the two bias tables.
+"""
+import torch
+
+from . import reference, triton_kernels
+from .reference import TIME_BUCKET_LOG, allowed_pairs, time_buckets
+
+BACKENDS = ("auto", "triton", "reference")
+__all__ = ["hstu_attention", "TIME_BUCKET_LOG", "allowed_pairs", "time_buckets"]
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len):
+        ctx.save_for_backward(q, k, v, offsets, timestamps, position_bias, time_bias, num_targets)
+        ctx.max_seq_len, ctx.context_len = max_seq_len, context_len
+        return triton_kernels.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, offsets, timestamps, position_bias, time_bias, num_targets = ctx.saved_tensors
+        bias_grads = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
+        dq, dk, dv, d_position, d_time = triton_kernels.hstu_attention_backward(
+            grad, q, k, v, offsets, timestamps, position_bias, time_bias, ctx.max_seq_len, num_targets, ctx.context_len,
+            bias_grads=bias_grads,
+        )
+        if bias_grads:
+            d_position, d_time = d_position.to(position_bias.dtype), d_time.to(time_bias.dtype)
+        return dq, dk, dv, None, None, d_position, d_time, None, None, None
+
+
+def hstu_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
+    position_bias: torch.Tensor, time_bias: torch.Tensor, max_seq_len: int,
+    num_targets: torch.Tensor | None = None, context_len: int = 0, backend: str = "auto",
+) -> torch.Tensor:
+    """(total, H, dv) attention output of jagged sequences: q, k (total, H, dqk), v (total,
+    H, dv), offsets (B + 1,) int64, timestamps (total,) int64, position_bias
+    (2 · max_seq_len - 1,), time_bias (num_buckets + 1,), num_targets (B,) or None, no
+    sequence longer than max_seq_len."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k must be (total, H, dqk) and v (total, H, dv): got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if offsets.dim() != 1 or offsets.dtype != torch.int64 or timestamps.shape != q.shape[:1]:
+        raise ValueError("offsets must be 1-D int64 (B + 1) and timestamps (total,)")
+    if position_bias.shape != (2 * max_seq_len - 1,):
+        raise ValueError(f"position_bias must have 2 * max_seq_len - 1 = {2 * max_seq_len - 1} entries, got {tuple(position_bias.shape)}")
+    if num_targets is not None and num_targets.shape != (offsets.numel() - 1,):
+        raise ValueError(f"num_targets must have one entry per sequence ({offsets.numel() - 1}), got {tuple(num_targets.shape)}")
+    if backend == "triton" or (backend == "auto" and q.device.type == "cuda"):
+        return _Attention.apply(q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len)
+    return reference.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)

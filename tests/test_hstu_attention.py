@@ -1,0 +1,156 @@
+"""HSTU attention's Triton kernels against the PyTorch twin (under Triton's interpreter on
+a CPU, at full size on a GPU), and the twin's masks and gradients on their own."""
+import pytest
+import torch
+
+from kernels.hstu_attention import allowed_pairs, hstu_attention, reference, time_buckets
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCALE = 4 if DEVICE == "cuda" else 1  # sequences and length on a GPU
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+NUM_BUCKETS = 128
+
+
+pytestmark = pytest.mark.usefixtures("poisoned_memory")  # (conftest.py)
+
+
+def case(seed, lengths, heads, dqk, dv, max_seq_len, dtype, targets=False):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    tensors = dict(
+        q=torch.randn(total, heads, dqk, generator=gen), k=torch.randn(total, heads, dqk, generator=gen),
+        v=torch.randn(total, heads, dv, generator=gen),
+        # gaps from seconds to years: every time bucket is used
+        timestamps=torch.cumsum(torch.exp(torch.rand(total, generator=gen) * 20).long(), 0),
+        position_bias=torch.randn(2 * max_seq_len - 1, generator=gen), time_bias=torch.randn(NUM_BUCKETS + 1, generator=gen),
+    )
+    for name in ("q", "k", "v"):
+        tensors[name] = tensors[name].to(DEVICE, dtype).requires_grad_(True)
+    for name in ("position_bias", "time_bias"):
+        tensors[name] = tensors[name].to(DEVICE).requires_grad_(True)
+    tensors["timestamps"] = tensors["timestamps"].to(DEVICE)
+    num_targets = None
+    if targets:
+        num_targets = torch.minimum(torch.randint(0, 6, lengths.shape, generator=gen), lengths).to(DEVICE)
+    return tensors, offsets.to(DEVICE), num_targets
+
+
+def run(backend, tensors, offsets, max_seq_len, num_targets, context_len, upstream):
+    inputs = {name: t.detach().clone().requires_grad_(t.requires_grad) for name, t in tensors.items()}
+    out = hstu_attention(
+        inputs["q"], inputs["k"], inputs["v"], offsets, inputs["timestamps"], inputs["position_bias"],
+        inputs["time_bias"], max_seq_len, num_targets, context_len, backend=backend,
+    )
+    out.backward(upstream)
+    # (no rows: the twin's output depends on no input but v, whose other grads stay None)
+    return out, {name: t.grad if t.grad is not None else torch.zeros_like(t) for name, t in inputs.items() if t.requires_grad}
+
+
+def close(got, want, tol):
+    """Within tol of want's scale: the kernels sum in another order and round A to the input dtype."""
+    if want.numel() == 0:
+        return got.shape == want.shape
+    scale = want.float().abs().max().clamp(min=1e-6)
+    return bool(((got.float() - want.float()).abs() <= tol * scale).all())
+
+
+LENGTHS = [[5, 0, 33, 1, 64, 70, 17], [0], []]
+# Triton's interpreter computes bfloat16 dots wrongly (numbers of 1e9 where the GPU and the
+# twin agree): bfloat16 runs on a GPU only
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,dqk,dv", [(1, 25, 25), (2, 50, 64), (2, 128, 128)])
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 0), (True, 3)])
+def test_triton_attention_matches_the_twin_forward_and_backward(lengths, dtype, heads, dqk, dv, targets, context_len):
+    lengths = [n * SCALE for n in lengths] * SCALE
+    max_seq_len = max(lengths + [1]) + 3
+    tensors, offsets, num_targets = case(len(lengths) + dqk, lengths, heads, dqk, dv, max_seq_len, dtype, targets)
+    upstream = torch.randn(tensors["v"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    got, got_grads = run("triton", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
+    want, want_grads = run("reference", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert close(got, want, TOLERANCE[dtype])
+    for name, g in want_grads.items():
+        assert close(got_grads[name], g, TOLERANCE[dtype] * 4), name
+
+
+def test_the_masks_and_buckets_are_the_stated_ones():
+    # 6 rows: a context prefix of 1, history rows 1-3, targets 4 and 5
+    want = torch.tensor([
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(allowed_pairs(6, 2, 1, "cpu"), want)
+    assert torch.equal(allowed_pairs(3, 0, 0, "cpu"), torch.ones(3, 3, dtype=torch.bool).tril())
+    buckets = time_buckets(torch.tensor([0, 1, 2, 4, 1000]), 20)
+    assert buckets[0].tolist() == [0, 0, 2, 4, 20]  # floor(log(gap) / 0.301): log 2 -> 2.3, log 4 -> 4.6; 22.9 clamped
+
+
+def test_the_twin_is_the_padded_computation_and_passes_gradcheck():
+    gen = torch.Generator().manual_seed(5)
+    lengths, heads, d, max_seq_len = [3, 0, 4], 2, 3, 6
+    offsets = torch.tensor([0, 3, 3, 7])
+    q, k, v = (torch.randn(7, heads, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    timestamps = torch.tensor([1, 5, 90, 7, 8, 3000, 3001])
+    position_bias = torch.randn(2 * max_seq_len - 1, generator=gen, dtype=torch.float64, requires_grad=True)
+    time_bias = torch.randn(9, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def attention(q, k, v, position_bias, time_bias):
+        return reference.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, torch.tensor([1, 0, 1]), 1)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v, position_bias, time_bias))
+    out = attention(q, k, v, position_bias, time_bias)
+    # sequence 2 (rows 3-6), head 1, by the formula written out pair by pair
+    allowed = allowed_pairs(4, 1, 1, "cpu")
+    for i in range(4):
+        want = torch.zeros(d, dtype=torch.float64)
+        for j in range(4):
+            gap = abs(int(timestamps[3 + i]) - int(timestamps[3 + j]))
+            bucket = min(max(int(torch.floor(torch.log(torch.tensor(float(max(gap, 1)))) / 0.301)), 0), 8)
+            s = q[3 + i, 1] @ k[3 + j, 1] + position_bias[j - i + max_seq_len - 1] + time_bias[bucket]
+            want += float(allowed[i, j]) * torch.nn.functional.silu(s) / max_seq_len * v[3 + j, 1]
+        assert torch.allclose(out[3 + i, 1], want)
+
+
+def test_bad_input_is_refused_with_the_problem_named():
+    q = torch.zeros(4, 1, 8)
+    offsets, timestamps, time_bias = torch.tensor([0, 4]), torch.zeros(4, dtype=torch.int64), torch.zeros(3)
+    with pytest.raises(ValueError, match="position_bias"):
+        hstu_attention(q, q, q, offsets, timestamps, torch.zeros(5), time_bias, 4)
+    with pytest.raises(ValueError, match="num_targets"):
+        hstu_attention(q, q, q, offsets, timestamps, torch.zeros(7), time_bias, 4, num_targets=torch.tensor([1, 2]))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter runs one configuration")
+def test_every_tuning_configuration_matches_the_twin():
+    from kernels.hstu_attention import triton_kernels
+
+    tuned = (triton_kernels._forward, triton_kernels._backward_kv, triton_kernels._backward_q)
+    all_configs = [t.configs for t in tuned]
+    try:
+        for i, config in enumerate(triton_kernels.CONFIGS):
+            for t in tuned:
+                t.configs = [config]
+                t.cache.clear()
+            max_seq_len = 300
+            tensors, offsets, num_targets = case(i, [5, 0, 133, 1, 264, 270, 17] * 4, 2, 64, 64, max_seq_len, torch.bfloat16, True)
+            upstream = torch.randn(tensors["v"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+            for context_len in (0, 3):
+                got, got_grads = run("triton", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
+                want, want_grads = run("reference", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
+                assert close(got, want, TOLERANCE[torch.bfloat16]), config
+                for name, g in want_grads.items():
+                    assert close(got_grads[name], g, TOLERANCE[torch.bfloat16] * 4), (config, name)
+    finally:
+        for t, configs in zip(tuned, all_configs):
+            t.configs = configs
+            t.cache.clear()
