@@ -1,10 +1,8 @@
 """Kernel launches that cost the host less time than Triton's own.
 
 Triton's launch binds and specializes every argument, builds a cache key and checks the
-kernel's globals on every call. An idle GPU waits that long for a call's first kernel:
-on an H100 lease (Triton 3.6) find_values took 65 us of host time with Triton's launch
-and 37 us with this one, find_or_insert_values (two launches) 194 and 106 us
-(benchmarks/launch_overhead.py).
+kernel's globals on every call. An idle GPU waits that long for a call's first kernel
+(host times with either launch: benchmarks/embedding_tuning.md).
 A launch is `Prepared` once per kind of call: the constants (every parameter after the
 runtime ones) and the launch options are split off and kept, with the kernels compiled
 for them. `launch` prepares by its keyword arguments; hot callers keep their Prepared
@@ -15,8 +13,7 @@ hands the arguments straight to the compiled kernel's launcher, on the current s
 without the launch metadata that Triton builds for launch hooks when none is registered
 (a profiler that adds hooks gets Triton's launch). Tensors go to the launcher as their
 addresses, read once here (given a tensor, the launcher asks it again and has the
-driver check the address: the claim's first launch, 9 tensors, took 9.7 us of host time
-against 7.8 given addresses, on a lent H100 host); a launch with a tensor not on a CUDA
+driver check the address); a launch with a tensor not on a CUDA
 device goes through Triton, which refuses it. The first launch of each key goes through
 Triton, which compiles; under the interpreter every launch does.
 Kernels launched here must not read globals that change after their first launch.

@@ -41,29 +41,22 @@ LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most sk
 GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
 FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
 SCAN_BLOCK = 1024  # lanes or segments per program of the elementwise kernels (numbering, rows, counting)
-# lanes per program of the numbering by distinct id, and its warps. H100, SGD step, us of
-# _distinct_kernel (profiler, two rounds): 32/1 53 52, 64/2 56 56, 16/1 64 65
+# lanes per program of the numbering by distinct id, and its warps
 DISTINCT_BLOCK, DISTINCT_WARPS = 32, 1
-# lanes of one row beyond which the update sums them across programs. H100, Adam, ms per
-# step with 64 update programs: 4 1.45, 8 1.45, 16 1.46; with 8: 8 1.48, 16 1.51, 32
-# 1.55. 4 doubles the partial sums' memory for nothing
+# lanes of one row beyond which the update sums them across programs first (fewer doubles
+# the partial sums' memory for no gain)
 LONG_SEGMENT = 8
 # sorted lanes per program of the sum of long segments, and its warps: one warp sums a
-# tile's lanes in registers. H100, Adam, ms per step: 32/1 1.395, 16/1 1.408, 64/2 1.423,
-# 32/2 1.474 (a tile of 16 lanes over 4 warps, summed across them, took 176 us, 32/1 92)
+# tile's lanes in registers
 SUM_TILE, SUM_WARPS = 32, 1
-# programs of the sum of long segments per multiprocessor, stepping through the tiles. H100,
-# SGD step, us of the sum (profiler, two rounds): 64 112 113, 32 116 115, 16 124 125, one
-# program per tile 118 118
+# programs of the sum of long segments per multiprocessor, stepping through the tiles
 SUM_PROGRAMS = 64
-# embedding values per program of the update (rows: this / dim), and its warps. H100, Adam:
-# 1024/4 1.80 ms per step, 512/2 1.84, 2048/8 1.85; loading 2, 4 or 8 lanes of a segment
-# per round instead of 1 changed nothing or lost
+# embedding values per program of the update (rows: this / dim), and its warps
 UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4
-# programs of the update per multiprocessor, stepping through the segments' blocks (a
-# grid sized for the lanes left 2/3 of its programs without segments). H100, Adam, ms
-# per step with LONG_SEGMENT 8: 32 1.46, 64 1.45, 128 1.45; with 32: 8 1.55, 16 1.52, 32 1.50
+# programs of the update per multiprocessor, stepping through the segments' blocks (a grid
+# sized for the lanes leaves most programs without segments)
 UPDATE_PROGRAMS = 64
+# (the measurements behind these: benchmarks/embedding_tuning.md)
 
 
 def _fusable(emb: DynamicEmbedding) -> bool:

@@ -230,9 +230,7 @@ def _find_kernel(
     t, key, h, bucket = _lane_bucket(offs, live, query_ptr, tid_ptr, desc_ptr, MULTI)
     digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
     key_row = tl.multiple_of(_field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + bucket * BUCKET, ALIGN)
-    # the digests kept in L2: they are 1/8 of a key's traffic at dim 128 (H100, dim 128,
-    # every key stored, 10^9 keys/s at λ 0.5 / 1.0, kernel alone: whole buckets 2.29 /
-    # 2.27, halves 2.36 / 2.28, halves kept in L2 2.41 / 2.32)
+    # the digests kept in L2: they are 1/8 of a key's traffic at dim 128
     col, _ = _find_column(digests_base, key_row, bucket, key, _digest(h), live, BUCKET, ALIGN, "", "evict_last")
     found = col < BUCKET
     slot = tl.where(found, bucket * BUCKET + col, -1)
@@ -377,8 +375,7 @@ def _claim_keys(
         # bucket's first empty slot by compare-and-swap of the key, which copies of a key
         # all aim at; the slot is marked used (phase 1, a later launch, sees the mark: no
         # evicting key takes the row). Reads go through L2, where this launch's writes
-        # are, so the atomics need no ordering (acquire-release ones fence every lane: 13%
-        # of this launch's time on an H100).
+        # are, so the atomics need no ordering (acquire-release ones fence every lane).
         col, empty = _find_column(digests_base, key_row, bucket, key, digest, active, BUCKET, ALIGN, ".cg", "")
         found = col < BUCKET
         hit_slot = bucket * BUCKET + col
@@ -713,44 +710,28 @@ def _grid(n: int, block: int) -> tuple[int]:
     return (max(1, cdiv(n, block)),)
 
 
-# keys per block and warps: small programs keep more memory requests in flight. H100
-# sweeps (B keys/s, dim 64 / 128, λ 0.5): find 8/2 3.59 / 2.16, 16/2 3.61 / 2.18, 4/1
-# 3.27 / 2.10; claim (find_or_insert) 8/1 1.63 / 1.25, 16/1 1.62 / -, 8/2 1.58 / -, 16/2
-# 1.52 / 1.19; 8/1 also leads at λ 1.0 and in the grouped training step (1.40 ms, 16/2
-# 1.43).
+# keys per block and warps of the probe (FIND) and of the claim's first phase (PLACE):
+# small programs keep more memory requests in flight
 FIND_BLOCK, FIND_WARPS, PLACE_BLOCK, PLACE_WARPS = 8, 2, 8, 1
-# the first phase over a device count (a collection's lookup: distinct ids, most of them
-# found): H100, grouped SGD step, us of that launch (profiler, two rounds) 16/2 117,
-# 8/1 121-125
+# the first phase over a device count (a collection's lookup: distinct ids, most found)
 GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS = 16, 2
 # the claim's eviction phase: keys per block (of the found rows' copy-out), blocks per
-# chunk (whose list heads it gathers), warps; lists an eviction step takes at once; the
-# register cap. H100, λ 1.0, kernel time of find_or_insert_values / insert_or_assign's
-# eviction launch (µs, profiler). Dim 128, block/span 4/8, by lists/registers: 1/80 775 /
-# 425, 1/88 682 / 428, 1/96 656 / 425, 1/104 670 / 445, 1/128 657 / 449, 2/96 741 / 513,
-# 2/128 742 / 501, 4/128 673 / 437, 4/168 667 / 420, 8/255 846 / 513 (the scheme before,
-# a scan per key, 4 lists at 80: 783 / 553); 1/96 by block/span: 8/4 652 / 424, 4/4 634 /
-# 434, 2/16 688 / 426. Dim 64, 1/96: 4/8 511 / 393, 8/4 509 / 388, 4/4 506 / 408 (before:
-# 571 / 460). Over a device count (a collection's lookup) its grid is EVICT_PROGRAMS per
-# multiprocessor instead, as is the first phase's (PLACE_PROGRAMS): a grid sized for the
-# batch cost 25 us in the grouped training step. H100, µs of the eviction launch in the
-# grouped SGD step (no key waits) / in a lookup of 40% new ids into ten full tables: 128
-# programs 11.7 / 79, 32 4.1 / 81, 24 - / 81, 16 2.9 / 93.
+# chunk (whose list heads it gathers), warps, lists an eviction step takes at once, the
+# register cap, and programs per multiprocessor over a device count (as PLACE_PROGRAMS for
+# the first phase; a grid sized for the batch leaves most programs idle there)
 EVICT_BLOCK, EVICT_SPAN, EVICT_WARPS, EVICT_LISTS, EVICT_REGISTERS, EVICT_PROGRAMS = 8, 4, 1, 1, 96, 32
 # how many of the keys a list stored last the eviction keeps, to find their copies without
 # a probe of the bucket (half a bucket at most: a list of a small bucket can then outgrow
 # it, as one of 128 can)
 EVICT_HISTORY = 8
 # columns of a waiting key's row of buf the eviction reads a step ahead, into registers
-# (the rest, if any, moves after the key's row is chosen). Dim 128 as above, 64 columns
-# ahead: 694 / 481
+# (the rest, if any, moves after the key's row is chosen)
 EVICT_ROW_TILE = 128
 PLACE_PROGRAMS = 32
 # columns of find_or_insert_values' rows the claim moves at a time: wider blocks take more
-# registers (phase 0: 64 columns 72, 128 columns 117). H100, dim 128, λ 0.5, 2^30 keys/s:
-# 32 columns 1.07, 64 1.14, 128 1.09; after the host path's trim, 64 1.17 and phase 1
-# alone at 32 columns 1.11
+# registers (phase 0: 64 columns 72, 128 columns 117)
 CLAIM_DIM_BLOCK = 64
+# (the measurements behind these: benchmarks/embedding_tuning.md)
 
 
 def resident_grid(blocks: int, device: torch.device, per_multiprocessor: int) -> tuple[int]:
