@@ -33,7 +33,9 @@ from .multi_table_kernels import (
     _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
 )
 from .triton_optimizers import optimizer_args
-from .triton_table import GROW, READ_ONLY, TritonHashTable, claim, probe, resident_grid
+from .claim_kernels import claim, resident_grid
+from .probe_kernels import GROW, READ_ONLY, probe
+from .triton_table import TritonHashTable
 
 FUSED_POLICIES = ("lru", "epoch_lru", "none")
 MAX_GROUP = 127  # tables per group (the statistics kernel loops over a group's tables)

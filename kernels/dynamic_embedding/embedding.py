@@ -21,7 +21,8 @@ from .optimizers import OptimizerConfig
 from .table import MISSING, Evicted, ReferenceHashTable, highest_per_key, sum_by_key
 from .triton_optimizers import fused_update
 from .tiers import swap_in
-from .triton_table import ROW_ALIGN, copy_rows
+from .probe_kernels import ROW_ALIGN
+from .slot_kernels import copy_rows
 
 # score of a row: lru = step of last use; lfu = uses so far; epoch_lru / epoch_lfu = epoch in
 # the high 32 bits, step or uses within the epoch in the low 32; custom = given by the

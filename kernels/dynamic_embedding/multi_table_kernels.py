@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .triton_optimizers import _load_rows, _step_rows
-from .triton_table import ROW_ALIGN, _VALUES, _field, _hash
+from .probe_kernels import ROW_ALIGN, _VALUES, _field, _hash
 
 SLOT_BITS = tl.constexpr(40)  # packed (table, slot): the slot's bits
 SLOT_MASK = tl.constexpr((1 << 40) - 1)

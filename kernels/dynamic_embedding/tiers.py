@@ -15,7 +15,10 @@ import triton.language as tl
 from ..launch import launch, next_power_of_2
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import _initial_embedding
-from .triton_table import TritonHashTable, _grid, claim, copy_rows, probe
+from .claim_kernels import claim
+from .probe_kernels import _grid, probe
+from .slot_kernels import copy_rows
+from .triton_table import TritonHashTable
 
 INIT_BLOCK = 64  # lanes per program of row initialisation, which most lanes skip
 

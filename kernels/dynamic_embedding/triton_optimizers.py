@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..launch import cdiv, launch, next_power_of_2
 from .optimizers import OptimizerConfig
-from .triton_table import ROW_ALIGN
+from .probe_kernels import ROW_ALIGN
 
 # embedding values per program (rows = this / dim) and warps of the update kernel
 UPDATE_ELEMENTS, UPDATE_WARPS = 512, 2
