@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, asdict
 import torch
 import torch.distributed as dist
 
+from ..backend import use_triton
 from . import optimizers
 from .hashing import EMPTY_KEY, shard_of, uniform_from_keys
 from .optimizers import OptimizerConfig
@@ -30,16 +31,13 @@ from .slot_kernels import copy_rows
 SLOT_BYTES = 8 + 8 + 1 + 4  # per slot besides its row: key, score, digest, mark (always on the device)
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "custom", "none")
 STEP_POLICIES = ("lru", "epoch_lru", "none")  # scores from the step (and epoch) alone
-BACKENDS = ("auto", "reference", "triton")
 
 
 def table_class(backend: str, device: torch.device):
     """The table implementation: Triton on CUDA and the PyTorch reference elsewhere for
     "auto"; "reference" or "triton" force one (tests, benchmarks; Triton on CPU needs
     TRITON_INTERPRET=1)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown table backend {backend!r}; choose from {BACKENDS}")
-    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+    if use_triton(backend, device, "table"):
         from .triton_table import TritonHashTable
 
         return TritonHashTable

@@ -5,10 +5,10 @@ context prefix); both paths are differentiable in q, k, v and the two bias table
 """
 import torch
 
+from ..backend import use_triton
 from . import reference, triton_kernels
 from .reference import TIME_BUCKET_LOG, allowed_pairs, time_buckets
 
-BACKENDS = ("auto", "triton", "reference")
 __all__ = ["hstu_attention", "TIME_BUCKET_LOG", "allowed_pairs", "time_buckets"]
 
 
@@ -41,8 +41,7 @@ def hstu_attention(
     H, dv), offsets (B + 1,) int64, timestamps (total,) int64, position_bias
     (2 · max_seq_len - 1,), time_bias (num_buckets + 1,), num_targets (B,) or None, no
     sequence longer than max_seq_len."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+    triton = use_triton(backend, q.device, "attention")
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k must be (total, H, dqk) and v (total, H, dv): got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if offsets.dim() != 1 or offsets.dtype != torch.int64 or timestamps.shape != q.shape[:1]:
@@ -51,6 +50,6 @@ def hstu_attention(
         raise ValueError(f"position_bias must have 2 * max_seq_len - 1 = {2 * max_seq_len - 1} entries, got {tuple(position_bias.shape)}")
     if num_targets is not None and num_targets.shape != (offsets.numel() - 1,):
         raise ValueError(f"num_targets must have one entry per sequence ({offsets.numel() - 1}), got {tuple(num_targets.shape)}")
-    if backend == "triton" or (backend == "auto" and q.device.type == "cuda"):
+    if triton:
         return _Attention.apply(q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len)
     return reference.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)

@@ -8,21 +8,17 @@ the same kernels (padded ↔ jagged, concat ↔ split).
 """
 import torch
 
+from ..backend import use_triton
 from . import reference, triton_kernels
-
-BACKENDS = ("auto", "triton", "reference")
 
 
 def _ops(backend: str, device: torch.device):
     """The module whose ops run: triton_kernels or reference."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown jagged backend {backend!r}; choose from {BACKENDS}")
-    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
-        return triton_kernels
-    return reference
+    return triton_kernels if use_triton(backend, device, "jagged") else reference
 
 
-def _check_offsets(offsets: torch.Tensor) -> None:
+def check_offsets(offsets: torch.Tensor) -> None:
+    """Refuses offsets that are not a 1-D int64 tensor of B + 1 entries."""
     if offsets.dim() != 1 or offsets.numel() < 1 or offsets.dtype != torch.int64:
         raise ValueError(f"offsets must be a 1-D int64 tensor of B + 1 entries, got {offsets.dtype} {tuple(offsets.shape)}")
 
@@ -30,7 +26,7 @@ def _check_offsets(offsets: torch.Tensor) -> None:
 def _check(values: torch.Tensor, offsets: torch.Tensor, name: str = "values") -> None:
     if values.dim() != 2:
         raise ValueError(f"{name} must be 2-D (rows, D), got shape {tuple(values.shape)}")
-    _check_offsets(offsets)
+    check_offsets(offsets)
 
 
 class _JaggedToPadded(torch.autograd.Function):
@@ -108,7 +104,7 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total: int | N
     """(total, D) rows of the jagged tensor with these offsets: row j of sequence b is
     padded[b, j] (zero for j >= max_len). total: offsets[-1]; giving it saves reading it
     from the device."""
-    _check_offsets(offsets)
+    check_offsets(offsets)
     if padded.dim() != 3 or padded.shape[0] != offsets.numel() - 1:
         raise ValueError(f"padded must be (B, max_len, D) with B = {offsets.numel() - 1}, got shape {tuple(padded.shape)}")
     if total is None:

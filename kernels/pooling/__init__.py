@@ -8,10 +8,11 @@ batch's unique ids and indices each id's place among them.
 """
 import torch
 
+from ..backend import use_triton
+from ..jagged import check_offsets
 from . import reference, triton_kernels
 from .reference import MODES
 
-BACKENDS = ("auto", "triton", "reference")
 
 
 class _Pool(torch.autograd.Function):
@@ -32,14 +33,12 @@ def pool(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, mod
     """(B, D): the sum (or mean) of weight's rows over each bag."""
     if mode not in MODES:
         raise ValueError(f"unknown pooling mode {mode!r}; choose from {MODES}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown pooling backend {backend!r}; choose from {BACKENDS}")
+    triton = use_triton(backend, weight.device, "pooling")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (rows, D), got shape {tuple(weight.shape)}")
     if indices.dim() != 1 or indices.dtype != torch.int64:
         raise ValueError(f"indices must be a 1-D int64 tensor, got {indices.dtype} {tuple(indices.shape)}")
-    if offsets.dim() != 1 or offsets.numel() < 1 or offsets.dtype != torch.int64:
-        raise ValueError(f"offsets must be a 1-D int64 tensor of B + 1 entries, got {offsets.dtype} {tuple(offsets.shape)}")
-    if backend == "triton" or (backend == "auto" and weight.device.type == "cuda"):
+    check_offsets(offsets)
+    if triton:
         return _Pool.apply(weight, indices, offsets, mode)
     return reference.pool(weight, indices, offsets, mode)

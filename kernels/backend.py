@@ -1,0 +1,13 @@
+"""Which implementation of a kernel op runs: the Triton kernels on CUDA and the pure-PyTorch
+reference elsewhere ("auto"), or one forced ("triton", "reference": tests, benchmarks;
+Triton on a CPU needs TRITON_INTERPRET=1)."""
+import torch
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def use_triton(backend: str, device: torch.device, what: str) -> bool:
+    """Whether `what` (named in the error for an unknown backend) runs its Triton kernels."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown {what} backend {backend!r}; choose from {BACKENDS}")
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")
