@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import Sequences, pad_batch
+from .sasrec import catalog_indices
 
 KS = (10, 50, 200)
 
@@ -90,17 +91,13 @@ class SASRecRanker:
         self.model, self.model_catalog, self.device = model, model_catalog, torch.device(device)
         self.max_seq_len = model.config.max_seq_len
         # the catalog's items as the model's indices; items it never saw score -inf
-        pos = torch.searchsorted(model_catalog, catalog).clamp(max=len(model_catalog) - 1)
-        self.known = model_catalog[pos] == catalog
-        self.columns = pos.to(self.device)
-
-    def indices(self, items: torch.Tensor) -> torch.Tensor:
-        pos = torch.searchsorted(self.model_catalog, items).clamp(max=len(self.model_catalog) - 1)
-        return torch.where(self.model_catalog[pos] == items, pos + 1, 0)
+        index = catalog_indices(model_catalog, catalog)
+        self.known = index > 0
+        self.columns = (index - 1).clamp(min=0).to(self.device)
 
     @torch.no_grad()
     def scores(self, items, timestamps, lengths):
-        user = self.model.user_vectors(self.indices(items).to(self.device), lengths.to(self.device))
+        user = self.model.user_vectors(catalog_indices(self.model_catalog, items).to(self.device), lengths.to(self.device))
         scores = (user @ self.model.item_vectors()[self.columns].T).cpu()
         return scores.masked_fill(~self.known, float("-inf"))
 

@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.hstu_attention import TIME_BUCKET_LOG
+
 from .config import HSTUConfig
-
-
-TIME_BUCKET_LOG = 0.301  # time gaps are bucketed by log(gap) / this (about log 2: doublings)
 
 
 def valid_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:

@@ -19,10 +19,16 @@ from kernels.dynamic_embedding import ShardedDynamicEmbedding, dump, load
 from .config import HSTUConfig
 from .evaluate import HSTURanker, SASRecRanker
 from .hstu import HSTU, catalog_softmax_loss, sampled_softmax_loss, valid_mask
-from .sasrec import SASRec, SASRecConfig, bce_loss, negatives_outside_history
+from .sasrec import SASRec, SASRecConfig, bce_loss, catalog_indices, negatives_outside_history
 
 EMBEDDING_DUMP_KEY = "embedding_dump"
 LENGTH_GROUPS = 4  # groups of similar lengths a training batch is run in (outputs_at)
+
+
+def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """A generator of its own for each run seed, step and rank: a step's draws differ
+    across ranks and steps, and repeat when the run is repeated or resumed."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
 
 
 class HSTULightningModule(L.LightningModule):
@@ -57,7 +63,7 @@ class HSTULightningModule(L.LightningModule):
         n = self.config.num_negatives
         if n >= len(self.catalog):
             return self.catalog
-        g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.global_step * 1009 + self.global_rank)
+        g = step_generator(self.config.seed, self.global_step, self.global_rank)
         idx = torch.randperm(len(self.catalog), generator=g)[:n]
         return self.catalog[idx.to(self.catalog.device)]
 
@@ -165,8 +171,7 @@ class SASRecLightningModule(L.LightningModule):
 
     def indices(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Raw ids (B, L) → catalog indices 1..M, 0 at padding."""
-        pos = torch.searchsorted(self.catalog, ids).clamp(max=len(self.catalog) - 1) + 1
-        return pos * valid_mask(lengths, ids.shape[1])
+        return catalog_indices(self.catalog, ids) * valid_mask(lengths, ids.shape[1])
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         items = self.indices(batch["item_ids"], batch["lengths"])
@@ -178,7 +183,7 @@ class SASRecLightningModule(L.LightningModule):
             return sum(p.sum() for p in self.model.parameters()) * 0.0
         history = torch.zeros(B, self.config.num_items + 1, dtype=torch.bool, device=items.device)
         history.scatter_(1, items, True)
-        g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.global_step * 1009 + self.global_rank)
+        g = step_generator(self.config.seed, self.global_step, self.global_rank)
         negatives = negatives_outside_history(targets, self.config.num_items, history, g)
         loss = bce_loss(hidden, targets, negatives, self.model.items.weight, mask)
         self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=B)

@@ -41,6 +41,13 @@ class SASRecConfig:
         return SASRecConfig(**(dict(d) | {"betas": tuple(d["betas"])}))
 
 
+def catalog_indices(catalog: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Raw ids → SASRec's item indices: the place in the sorted catalog plus one (1..M), 0
+    for ids not in it (and padding)."""
+    pos = torch.searchsorted(catalog, ids).clamp(max=len(catalog) - 1)
+    return torch.where(catalog[pos] == ids, pos + 1, 0)
+
+
 class SASRecBlock(nn.Module):
     def __init__(self, c: SASRecConfig):
         super().__init__()
