@@ -75,6 +75,24 @@ def _head_rows(ptr, start, idx, live, heads, h, width, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _row_block(
+    a_ptr, b_ptr, timestamps_ptr, start, first, n, heads, h, a_width, b_width, BLOCK: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Rows first .. first + BLOCK - 1 of a sequence of n rows at `start`: (their indices,
+    which are live, their head-h rows of a (width a_width) and of b (width b_width), their
+    timestamps, and a's and b's masks). A key block's a and b are K and V; a query
+    block's, Q and dO."""
+    idx = first + tl.arange(0, BLOCK)
+    live = idx < n
+    a_at, a_mask = _head_rows(a_ptr, start, idx, live, heads, h, a_width, BLOCK_A)
+    b_at, b_mask = _head_rows(b_ptr, start, idx, live, heads, h, b_width, BLOCK_B)
+    a = tl.load(a_at, mask=a_mask, other=0)
+    b = tl.load(b_at, mask=b_mask, other=0)
+    return idx, live, a, b, tl.load(timestamps_ptr + start + idx, mask=live, other=0), a_mask, b_mask
+
+
+@triton.jit
 def _program_block(offsets_ptr, targets_ptr, heads, BLOCK: tl.constexpr, HAS_TARGETS: tl.constexpr):
     """(this program's first row, head, its sequence's start, length and history end)."""
     b = tl.program_id(1) // heads
@@ -98,13 +116,9 @@ def _forward_kernel(
     t_rows = tl.load(timestamps_ptr + start + rows, mask=row_live, other=0)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(0, _key_range(m0, n, history_end, context_len, BLOCK_M), BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_live = cols < n
-        k_at, k_mask = _head_rows(k_ptr, start, cols, col_live, heads, h, dqk, BLOCK_DQK)
-        k = tl.load(k_at, mask=k_mask, other=0)
-        v_at, v_mask = _head_rows(v_ptr, start, cols, col_live, heads, h, dv, BLOCK_DV)
-        v = tl.load(v_at, mask=v_mask, other=0)
-        t_cols = tl.load(timestamps_ptr + start + cols, mask=col_live, other=0)
+        cols, _, k, v, t_cols, _, _ = _row_block(
+            k_ptr, v_ptr, timestamps_ptr, start, n0, n, heads, h, dqk, dv, BLOCK_N, BLOCK_DQK, BLOCK_DV
+        )
         s, allowed, _, _ = _scores(q, k, rows, cols, t_rows, t_cols, n, history_end, context_len, position_ptr, time_ptr, max_seq_len, num_buckets)
         a = tl.where(allowed, s * tl.sigmoid(s) * scale, 0.0)
         acc += tl.dot(a.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else "tf32")
@@ -132,25 +146,17 @@ def _backward_kv_kernel(
     n0, h, start, n, history_end = _program_block(offsets_ptr, targets_ptr, heads, BLOCK_N, HAS_TARGETS)
     if n0 >= n:
         return
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_live = cols < n
-    k_at, k_mask = _head_rows(k_ptr, start, cols, col_live, heads, h, dqk, BLOCK_DQK)
-    k = tl.load(k_at, mask=k_mask, other=0)
-    v_at, v_mask = _head_rows(v_ptr, start, cols, col_live, heads, h, dv, BLOCK_DV)
-    v = tl.load(v_at, mask=v_mask, other=0)
-    t_cols = tl.load(timestamps_ptr + start + cols, mask=col_live, other=0)
+    cols, col_live, k, v, t_cols, k_mask, v_mask = _row_block(
+        k_ptr, v_ptr, timestamps_ptr, start, n0, n, heads, h, dqk, dv, BLOCK_N, BLOCK_DQK, BLOCK_DV
+    )
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # query rows before the block attend to it only from the context (rows < context_len)
     first = tl.where(context_len > 0, 0, (n0 // BLOCK_M) * BLOCK_M)
     for m0 in range(first, n, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_live = rows < n
-        q_at, q_mask = _head_rows(q_ptr, start, rows, row_live, heads, h, dqk, BLOCK_DQK)
-        q = tl.load(q_at, mask=q_mask, other=0)
-        do_at, do_mask = _head_rows(do_ptr, start, rows, row_live, heads, h, dv, BLOCK_DV)
-        do = tl.load(do_at, mask=do_mask, other=0)
-        t_rows = tl.load(timestamps_ptr + start + rows, mask=row_live, other=0)
+        rows, _, q, do, t_rows, _, _ = _row_block(
+            q_ptr, do_ptr, timestamps_ptr, start, m0, n, heads, h, dqk, dv, BLOCK_M, BLOCK_DQK, BLOCK_DV
+        )
         s, allowed, _, _ = _scores(q, k, rows, cols, t_rows, t_cols, n, history_end, context_len, position_ptr, time_ptr, max_seq_len, num_buckets)
         a, ds = _score_grads(s, allowed, do, v, scale)
         precision: tl.constexpr = "ieee" if q.dtype == tl.float32 else "tf32"
@@ -174,22 +180,14 @@ def _backward_q_kernel(
     m0, h, start, n, history_end = _program_block(offsets_ptr, targets_ptr, heads, BLOCK_M, HAS_TARGETS)
     if m0 >= n:
         return
-    rows = m0 + tl.arange(0, BLOCK_M)
-    row_live = rows < n
-    q_at, q_mask = _head_rows(q_ptr, start, rows, row_live, heads, h, dqk, BLOCK_DQK)
-    q = tl.load(q_at, mask=q_mask, other=0)
-    do_at, do_mask = _head_rows(do_ptr, start, rows, row_live, heads, h, dv, BLOCK_DV)
-    do = tl.load(do_at, mask=do_mask, other=0)
-    t_rows = tl.load(timestamps_ptr + start + rows, mask=row_live, other=0)
+    rows, row_live, q, do, t_rows, q_mask, _ = _row_block(
+        q_ptr, do_ptr, timestamps_ptr, start, m0, n, heads, h, dqk, dv, BLOCK_M, BLOCK_DQK, BLOCK_DV
+    )
     dq_acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     for n0 in range(0, _key_range(m0, n, history_end, context_len, BLOCK_M), BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_live = cols < n
-        k_at, k_mask = _head_rows(k_ptr, start, cols, col_live, heads, h, dqk, BLOCK_DQK)
-        k = tl.load(k_at, mask=k_mask, other=0)
-        v_at, v_mask = _head_rows(v_ptr, start, cols, col_live, heads, h, dv, BLOCK_DV)
-        v = tl.load(v_at, mask=v_mask, other=0)
-        t_cols = tl.load(timestamps_ptr + start + cols, mask=col_live, other=0)
+        cols, _, k, v, t_cols, _, _ = _row_block(
+            k_ptr, v_ptr, timestamps_ptr, start, n0, n, heads, h, dqk, dv, BLOCK_N, BLOCK_DQK, BLOCK_DV
+        )
         s, allowed, rel, bucket = _scores(q, k, rows, cols, t_rows, t_cols, n, history_end, context_len, position_ptr, time_ptr, max_seq_len, num_buckets)
         _, ds = _score_grads(s, allowed, do, v, scale)
         dq_acc += tl.dot(ds.to(k.dtype), k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
