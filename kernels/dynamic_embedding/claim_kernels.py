@@ -118,14 +118,13 @@ def _evict_lists(
     waiting keys: each takes the keys of its list in turn, alone in the bucket (no other
     program writes it in this launch, so nothing is locked or fenced). A key takes the
     lowest (score, column) row not used by `call` if that score is <= its own, else is not
-    stored (-1); a copy of a key stored before it in the list finds that row instead (no
-    key of the list was in the bucket before: phase 0 found it full). Stores each key's
-    slot and flags, and empties the lists' heads.
+    stored (-1); a copy of a key stored earlier in the list finds that row instead (no key
+    of the list is in the bucket at the launch's start: phase 0 found it full). Stores
+    each key's slot and flags, and empties the lists' heads.
     The bucket's scores and marks are read once per list and kept in registers, as are the
     last HISTORY keys the list stored (their copies need no probe of the bucket), and the
-    next key with the first ROW_TILE values of its row of buf is read a step ahead: a
-    key's step waits on memory only for those reads, one trip where a scan of the bucket
-    per key, the mark of its lowest row and its row's copy took about five."""
+    next key with the first ROW_TILE values of its row of buf is read a step ahead, so
+    that a key's step waits on memory for one trip, not one per read."""
     t, key, h, bucket = _lane_bucket(offs, live, query_ptr, tid_ptr, desc_ptr, MULTI)
     keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
     digests_base = _field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8))
@@ -242,8 +241,8 @@ def _claim_kernel(
     FETCH, find_or_insert_values' rows: a key inserted stores its row of buf, the others
     get their stored row in buf. A key inserted in phase 0 writes its row there; rows go
     out in phase 1, which then runs over every key: a key found in phase 0 may be a copy of
-    one whose row is written in the same launch (a launch of its own for them measured no
-    faster: the copy is bound by bandwidth either way). There a key that evicts stores its
+    one whose row is written in the same launch (the copy is bound by bandwidth, so it
+    shares phase 1 rather than taking a launch of its own). There a key that evicts stores its
     row, and a copy of it gets that row. ASSIGN, insert_or_assign's: every key
     stored gets its row of buf, written by one of its copies (in phase 0 the first to mark
     the row, in phase 1 the one that evicts).

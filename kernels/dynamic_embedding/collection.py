@@ -246,8 +246,8 @@ class _Group:
         n = keys.numel()
         size = next_power_of_2(2 * n)  # the map at most half full
         # one zeroed buffer for the map, the count of segments and the rowless flag; one
-        # allocation for the per-lane and one for the per-segment arrays (an allocation
-        # took 4.5 us of host time on a lent H100 machine)
+        # allocation for the per-lane and one for the per-segment arrays (each allocation
+        # costs host time the device waits for)
         scratch = torch.zeros(size + 2, dtype=torch.int32, device=self.device)
         count, rowless = scratch[size : size + 1], scratch[size + 1 : size + 2]
         number, first = torch.empty(2, n, dtype=torch.int32, device=self.device).unbind()

@@ -155,8 +155,8 @@ def copy_rows(
     """dst[dst_slots[i], :width] = src[src_slots[i], :width] where both slots are >= 0
     (None: lane i). src and dst: 2-D with unit column stride (table storage or buffers).
     whole_rows: write each destination row up to its stride, zeros past width; for host
-    memory, where a write ending inside a 64-byte line is a partial one over PCIe (rows of
-    385 floats at a 400-float stride: 15x the time of whole lines, H100). marks: a table's
+    memory, where a write ending inside a 64-byte line is a partial one over PCIe, many
+    times slower than whole lines. marks: a table's
     marks, those of dst_slots set by a claim: one lane per destination slot writes (see
     _copy_rows_kernel)."""
     n = (src_slots if src_slots is not None else dst_slots).numel()
