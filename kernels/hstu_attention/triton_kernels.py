@@ -180,7 +180,9 @@ def _backward_q_kernel(
     m0, h, start, n, history_end = _program_block(offsets_ptr, targets_ptr, heads, BLOCK_M, HAS_TARGETS)
     if m0 >= n:
         return
-    rows, row_live, q, do, t_rows, q_mask, _ = _row_block(
+    # no name bound here may be rebound in the loop below: Triton would carry it
+    # through the loop and reject the change of type
+    rows, row_live, q, do, t_rows, q_mask, do_mask = _row_block(
         q_ptr, do_ptr, timestamps_ptr, start, m0, n, heads, h, dqk, dv, BLOCK_M, BLOCK_DQK, BLOCK_DV
     )
     dq_acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
