@@ -123,32 +123,3 @@ class HSTU(nn.Module):
             x = block(x, bias_index, mask) * mask[..., None]
         return F.normalize(x, dim=-1)
 
-
-def sampled_softmax_loss(
-    out: torch.Tensor,
-    target_emb: torch.Tensor,
-    target_ids: torch.Tensor,
-    negative_emb: torch.Tensor,
-    negative_ids: torch.Tensor,
-    temperature: float,
-) -> torch.Tensor:
-    """Cross-entropy of each target against shared sampled negatives, on cosine similarity.
-
-    out (P, D) normalized outputs, target_emb (P, D), negative_emb (N, D); a negative equal
-    to the position's own target is masked out.
-    """
-    target = F.normalize(target_emb, dim=-1)
-    negatives = F.normalize(negative_emb, dim=-1)
-    pos_logit = (out * target).sum(-1, keepdim=True)  # (P, 1)
-    neg_logits = out @ negatives.T  # (P, N)
-    neg_logits = neg_logits.masked_fill(negative_ids[None, :] == target_ids[:, None], float("-inf"))
-    logits = torch.cat([pos_logit, neg_logits], 1) / temperature
-    labels = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
-    return F.cross_entropy(logits, labels)
-
-
-def catalog_softmax_loss(out: torch.Tensor, item_emb: torch.Tensor, target_index: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Cross-entropy of each position's target over every item of the catalog (the full
-    softmax), on cosine similarity. out (P, D) normalized outputs, item_emb (M, D) the
-    catalog's rows, target_index (P,) each target's row in it."""
-    return F.cross_entropy((out / temperature) @ F.normalize(item_emb, dim=-1).T, target_index)

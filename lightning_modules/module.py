@@ -18,7 +18,8 @@ from kernels.dynamic_embedding import ShardedDynamicEmbedding, dump, load
 
 from .config import HSTUConfig
 from .evaluate import HSTURanker, SASRecRanker
-from .hstu import HSTU, catalog_softmax_loss, sampled_softmax_loss, valid_mask
+from .hstu import HSTU, valid_mask
+from .losses import catalog_softmax_loss, sampled_softmax_loss
 from .sasrec import SASRec, SASRecConfig, bce_loss, catalog_indices, negatives_outside_history
 
 EMBEDDING_DUMP_KEY = "embedding_dump"

@@ -1,11 +1,14 @@
 """The HSTU model, the loss, the metrics, and a training step on an empty batch."""
 import lightning as L
+import pytest
 import torch
 
 from lightning_modules.config import HSTUConfig, preset
 from lightning_modules.data import pad_batch
 from lightning_modules.evaluate import ranking_metrics, target_ranks
-from lightning_modules.hstu import HSTU, catalog_softmax_loss, sampled_softmax_loss
+from lightning_modules.hstu import HSTU
+from lightning_modules import losses
+from lightning_modules.losses import catalog_softmax_loss, sampled_softmax_loss
 from lightning_modules.module import HSTULightningModule
 
 SMALL = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, embedding_dim=16, max_seq_len=12, num_negatives=5, batch_size=4)
@@ -54,6 +57,24 @@ def test_the_catalog_softmax_is_the_sampled_softmax_over_every_item():
     full = catalog_softmax_loss(out, catalog_emb, target, 0.05)
     sampled = sampled_softmax_loss(out, catalog_emb[target], target, catalog_emb, torch.arange(7), 0.05)
     torch.testing.assert_close(full, sampled)
+
+
+@pytest.mark.parametrize("positions", [0, 1, 63, 64, 200])
+def test_the_blockwise_catalog_softmax_equals_the_plain_one_with_its_gradients(positions, monkeypatch):
+    monkeypatch.setattr(losses, "BLOCK_LOGITS_CPU", 64 * 37)  # blocks of 64 positions: more and fewer than one, and none
+    g = torch.Generator().manual_seed(positions)
+    out = torch.nn.functional.normalize(torch.randn(positions, 8, generator=g, dtype=torch.float64), dim=-1).requires_grad_(True)
+    emb = torch.randn(37, 8, generator=g, dtype=torch.float64).requires_grad_(True)
+    target = torch.randint(0, 37, (positions,), generator=g)
+    loss = catalog_softmax_loss(out, emb, target, 0.1)
+    out2, emb2 = out.detach().clone().requires_grad_(True), emb.detach().clone().requires_grad_(True)
+    plain = torch.nn.functional.cross_entropy((out2 / 0.1) @ torch.nn.functional.normalize(emb2, dim=-1).T, target)
+    torch.testing.assert_close(loss, plain, equal_nan=True)
+    if positions:
+        (3.0 * loss).backward()
+        (3.0 * plain).backward()
+        torch.testing.assert_close(out.grad, out2.grad)
+        torch.testing.assert_close(emb.grad, emb2.grad)
 
 
 def test_ranking_metrics_and_history_exclusion():
