@@ -14,8 +14,10 @@ import triton
 import triton.language as tl
 
 from ..launch import cdiv, launch_each, next_power_of_2, prepare
+from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_NUM_COUNTED
 from .probe_kernels import (
-    _DIGESTS, _HEADS, _KEYS, _MARKS, _MODE, _SCORES, _VALUES, _WAITS, ROW_ALIGN, _buf_rows, _bytes_equal, _digest,
+    _DIGESTS, _HEADS, _KEYS, _MARKS, _MODE, _SCORES, _VALUES, _WAITS, K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN,
+    _buf_rows, _bytes_equal, _digest,
     _digest_words, _field, _find_column, _grid, _hash, _key_column, _lane_bucket, _lane_rows,
 )
 
@@ -43,7 +45,7 @@ def _claim_keys(
     t, key, h, bucket = _lane_bucket(offs, live, query_ptr, tid_ptr, desc_ptr, MULTI)
     mode = _field(desc_ptr, t, _MODE) + tl.zeros(offs.shape, dtype=tl.int64)  # per key, also for one table
     slot = tl.full(offs.shape, -1, tl.int64)
-    active = live & (key != -9223372036854775807 - 1)  # the reserved key: never found, never stored
+    active = live & (key != K_EMPTY_KEY)  # the reserved key: never found, never stored
     score = _key_scores(score_ptr, t, offs, active, score_offset, TABLE_SCORES)
     digest = _digest(h)
     keys_base = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
@@ -52,7 +54,7 @@ def _claim_keys(
     marks = _field(desc_ptr, t, _MARKS).to(tl.pointer_type(tl.int32))
     key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
     inserted = tl.zeros(offs.shape, dtype=tl.int8)
-    empty_key = tl.full(offs.shape, -9223372036854775807 - 1, tl.int64)
+    empty_key = tl.full(offs.shape, K_EMPTY_KEY, tl.int64)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         # find the key (stored before, or by a copy in this launch), raise its score and
         # mark it used by this call, before phase 1 evicts anything. Else claim the
@@ -101,8 +103,8 @@ def _claim_keys(
     tl.store(slot_ptr + offs, slot, mask=live)
     if COUNT:
         ones = tl.full(offs.shape, 1, tl.int64)
-        tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=inserted != 0, sem="relaxed")
-        tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=inserted != 0, sem="relaxed")
+        tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_INSERTS, ones, mask=inserted != 0, sem="relaxed")
+        tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_HITS, -ones, mask=inserted != 0, sem="relaxed")
     tl.store(inserted_ptr + offs, inserted, mask=live)
     return slot, inserted
 
@@ -146,7 +148,7 @@ def _evict_lists(
     free = tl.load(mark_row[:, None] + cols, mask=live[:, None], other=call, cache_modifier=".cg") != call
     # the keys the list stored last and their slots, a ring by count of keys stored
     ring = tl.arange(0, HISTORY)[None, :]
-    kept_key = tl.full([offs.shape[0], HISTORY], -9223372036854775807 - 1, tl.int64)  # the reserved key: never waits
+    kept_key = tl.full([offs.shape[0], HISTORY], K_EMPTY_KEY, tl.int64)  # the reserved key: never waits
     kept_slot = tl.zeros([offs.shape[0], HISTORY], dtype=tl.int64)
     stored = tl.zeros(offs.shape, dtype=tl.int32)
     pending = live
@@ -172,7 +174,7 @@ def _evict_lists(
             hit_slot = tl.where(probing, bucket * BUCKET + col, hit_slot)
         tl.atomic_max(scores_base + hit_slot, score, mask=copy, sem="relaxed")
         # the lowest (score, column) free row: ties keep the lower column
-        low = tl.min(tl.where(free, row_scores, 9223372036854775807), axis=1)
+        low = tl.min(tl.where(free, row_scores, K_ABOVE_ALL), axis=1)
         victim = tl.min(tl.where(free & (row_scores == low[:, None]), cols, BUCKET), axis=1)
         evicting = pending & ~copy & (victim < BUCKET) & (low <= score)
         free = free & ~(evicting[:, None] & (cols == victim[:, None]))
@@ -204,9 +206,9 @@ def _evict_lists(
         tl.store(inserted_ptr + lane, tl.full(offs.shape, 1, tl.int8), mask=evicting)
         if COUNT:
             ones = tl.full(offs.shape, 1, tl.int64)
-            tl.atomic_add(counts_ptr + t * 5 + 2, ones, mask=evicting, sem="relaxed")
-            tl.atomic_add(counts_ptr + t * 5 + 1, -ones, mask=evicting, sem="relaxed")
-            tl.atomic_add(counts_ptr + t * 5 + 4, ones, mask=evicting, sem="relaxed")
+            tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_INSERTS, ones, mask=evicting, sem="relaxed")
+            tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_HITS, -ones, mask=evicting, sem="relaxed")
+            tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_EVICTIONS, ones, mask=evicting, sem="relaxed")
         pending, lane, key, link, score = more, next_lane, next_key, next_link, next_score
         if ROWS != 0:
             row = next_row
@@ -234,8 +236,8 @@ def _claim_kernel(
     never found nor stored (-1).
     TABLE_SCORES: a key's score is its table's, score_ptr[t] + score_offset (scores move
     together from call to call: the offset saves the caller an add on the device).
-    COUNT: each insert adds to counts[t, 2] and takes one from counts[t, 1] (a distinct id
-    inserted is no hit), each eviction adds to counts[t, 4]. COUNTED: as _find_kernel.
+    COUNT: each insert adds to counts[t, INSERTS] and takes one from counts[t, HITS] (a distinct id
+    inserted is no hit), each eviction adds to counts[t, EVICTIONS]. COUNTED: as _find_kernel.
     REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset).
     ROWS (one table, no victims returned: their rows are overwritten), with buf (N, row_dim):
     FETCH, find_or_insert_values' rows: a key inserted stores its row of buf, the others

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..backend import use_triton
 from . import optimizers
+from .counters import COUNTED, EVICTIONS, HITS, LOOKUPS, NUM_COUNTED, REJECTIONS
 from .hashing import EMPTY_KEY, shard_of, uniform_from_keys
 from .optimizers import OptimizerConfig
 from .table import MISSING, Evicted, ReferenceHashTable, highest_per_key, sum_by_key
@@ -132,10 +133,6 @@ class EmbeddingConfig:
         return EmbeddingConfig(**d)
 
 
-# statistics a DynamicEmbedding counts on the device
-COUNTED = ("lookups", "hits", "inserts", "rejections", "evictions")
-
-
 @dataclass
 class TableStats:
     size: int = 0
@@ -191,7 +188,7 @@ class DynamicEmbedding:
         self.epoch = 0  # the epoch_* policies' high bits; set by the training loop
         self._stats = TableStats()
         # counted on the device, so lookups never wait for it (order: COUNTED)
-        self._counts = torch.zeros(len(COUNTED), dtype=torch.int64, device=self.device)
+        self._counts = torch.zeros(NUM_COUNTED, dtype=torch.int64, device=self.device)
         self._dedup = None  # the last lookup's ids and their torch.unique
         self._moves = torch.zeros(2, dtype=torch.int64, device=self.device)  # tiered: promotions, demotions
         self._fused = type(self.table) is not ReferenceHashTable  # Triton: fused update kernel
@@ -245,7 +242,7 @@ class DynamicEmbedding:
             # or of higher scores) keep or get a row in the host tier, trained there
             rowless = (kept_slots == MISSING).nonzero().squeeze(1)
             held, made = self._to_host(kept[rowless], kept_scores[rowless], None, evicted)
-            self._counts[1:4] += torch.stack([
+            self._counts[HITS : REJECTIONS + 1] += torch.stack([
                 kept.numel() - rowless.numel() - n_new + promoted + (held & ~made).sum(),  # hits, in either tier
                 n_new - promoted + made.sum(),  # inserts, in either tier
                 (~held).sum(),  # rejections: ids with no row in any tier
@@ -253,9 +250,9 @@ class DynamicEmbedding:
             slots = kept_slots if keep is None else torch.full_like(uniq, MISSING).masked_scatter_(keep, kept_slots)
         else:
             slots = self.table.find(uniq)
-            self._counts[1] += (slots != MISSING).sum()
+            self._counts[HITS] += (slots != MISSING).sum()
         present = slots != MISSING
-        self._counts[0] += uniq.numel()
+        self._counts[LOOKUPS] += uniq.numel()
         # gather only the embedding columns; ids without a device row: their host row or
         # their initial embedding
         emb = self.table.values[:, : self.dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
@@ -271,7 +268,7 @@ class DynamicEmbedding:
         emb = rows[:, : self.dim].contiguous()  # ids without a device row: their host row
         copy_rows(self.table.values, s.slots, emb, None, self.dim)
         stored, n_promoted = s.slots >= 0, s.promoted.sum()
-        self._counts += torch.stack([
+        self._counts += torch.stack([  # in COUNTED's order
             torch.tensor(uniq.numel(), device=self.device),
             (stored & ~s.inserted).sum() + n_promoted + (s.held & ~s.made).sum(),  # hits, in either tier
             (s.inserted & ~s.promoted).sum() + s.made.sum(),  # inserts, in either tier
@@ -317,7 +314,7 @@ class DynamicEmbedding:
         Without a host tier nothing is stored and evicted rows are lost."""
         k, n = keys.numel(), evicted.keys.numel()
         if self.host is None or k + n == 0:
-            self._counts[4] += n
+            self._counts[EVICTIONS] += n
             none = torch.zeros(k, dtype=torch.bool, device=self.device)
             return none, none
         slots, inserted, lost = self.host.find_or_insert(torch.cat([keys, evicted.keys]), torch.cat([scores, evicted.scores]))
@@ -328,7 +325,7 @@ class DynamicEmbedding:
             self.host.values[slots[write]] = incoming[write].to(self.host.dtype)
         down = stored[k:]
         self._moves[1] += down.sum()
-        self._counts[4] += (~down).sum() + lost.keys.numel()
+        self._counts[EVICTIONS] += (~down).sum() + lost.keys.numel()
         return stored[:k], inserted[:k]
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -353,7 +350,7 @@ class DynamicEmbedding:
             rows = torch.empty(uniq.numel(), self.config.row_dim, device=self.device)
             s = swap_in(self.table, self.host, torch.where(wanted, uniq, EMPTY_KEY), scores, rows, self._init)
             self._moves += torch.stack([s.promoted.sum(), s.demoted])
-            self._counts[4] += s.lost
+            self._counts[EVICTIONS] += s.lost
             return
         keys, scores = uniq[wanted], scores[wanted]
         slots, inserted, evicted = self.table.find_or_insert(keys, scores)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .triton_optimizers import _load_rows, _step_rows
+from .counters import K_HITS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
 from .probe_kernels import ROW_ALIGN, _VALUES, _field, _hash
 
 SLOT_BITS = tl.constexpr(40)  # packed (table, slot): the slot's bits
@@ -283,7 +284,7 @@ def _segment_rows_kernel(
                 lookups = tl.sum(mine.to(tl.int64), axis=0)
                 if lookups > 0:
                     hits = tl.sum((mine & stored).to(tl.int64), axis=0)
-                    tl.atomic_add(counts_ptr + table * 5, lookups, sem="relaxed")
-                    tl.atomic_add(counts_ptr + table * 5 + 1, hits, sem="relaxed")
+                    tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_LOOKUPS, lookups, sem="relaxed")
+                    tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_HITS, hits, sem="relaxed")
                     if TRAIN:
-                        tl.atomic_add(counts_ptr + table * 5 + 3, (lookups - hits) * tl.load(inserting_ptr + table), sem="relaxed")
+                        tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_REJECTIONS, (lookups - hits) * tl.load(inserting_ptr + table), sem="relaxed")

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..launch import cdiv, launch_each, next_power_of_2, prepare
+from .hashing import EMPTY_KEY
 
 
 @triton.jit
@@ -35,6 +36,8 @@ def _digest(h):
 
 
 ROW_ALIGN = tl.constexpr(16)  # elements; a row's stride in a Triton table is a multiple
+K_EMPTY_KEY = tl.constexpr(EMPTY_KEY)  # the reserved key (int64 min): an empty slot
+K_ABOVE_ALL = tl.constexpr(2**63 - 1)  # int64 max: above every score and slot (a minimum over none)
 
 # A table descriptor: int64 words that let one kernel address any of several tables (the
 # tables of a collection): storage addresses (HEADS: the claim's per-bucket list heads;

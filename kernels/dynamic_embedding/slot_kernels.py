@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..launch import launch, next_power_of_2
-from .probe_kernels import FIND_BLOCK, FIND_WARPS, _digest, _grid, _hash
+from .probe_kernels import FIND_BLOCK, FIND_WARPS, K_ABOVE_ALL, K_EMPTY_KEY, _digest, _grid, _hash
 
 
 @triton.jit(do_not_specialize=["call"])
@@ -40,9 +40,9 @@ def _choose_slots_kernel(
         pick_score = tl.full([BLOCK], 0, tl.int64)
         # remove the lowest (score, slot) candidate nth + 1 times; the last removed is the victim
         for it in range(0, tl.max(nth, axis=0) + 1):
-            best = tl.min(tl.where(cand, scores, 9223372036854775807), axis=1)
+            best = tl.min(tl.where(cand, scores, K_ABOVE_ALL), axis=1)
             at_best = cand & (scores == best[:, None])
-            first = tl.min(tl.where(at_best, slots, 9223372036854775807), axis=1)
+            first = tl.min(tl.where(at_best, slots, K_ABOVE_ALL), axis=1)
             any_left = tl.max(cand.to(tl.int32), axis=1) > 0
             take = (it <= nth) & any_left
             pick = tl.where(take, first, tl.where(it <= nth, -1, pick))
@@ -75,7 +75,7 @@ def _write_slots_kernel(slot_ptr, key_ptr, score_ptr, n, table_keys_ptr, scores_
 def _count_kernel(table_keys_ptr, scores_ptr, capacity, min_score, counts_ptr, BLOCK: tl.constexpr, FILTER: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < capacity
-    keep = live & (tl.load(table_keys_ptr + offs, mask=live, other=0) != -9223372036854775807 - 1)
+    keep = live & (tl.load(table_keys_ptr + offs, mask=live, other=0) != K_EMPTY_KEY)
     if FILTER:
         keep = keep & (tl.load(scores_ptr + offs, mask=live, other=0) >= min_score)
     tl.store(counts_ptr + tl.program_id(0), tl.sum(keep.to(tl.int64), axis=0))
@@ -93,7 +93,7 @@ def _export_kernel(
     live = offs < capacity
     key = tl.load(table_keys_ptr + offs, mask=live, other=0)
     score = tl.load(scores_ptr + offs, mask=live, other=0)
-    keep = live & (key != -9223372036854775807 - 1)
+    keep = live & (key != K_EMPTY_KEY)
     if FILTER:
         keep = keep & (score >= min_score)
     dest = tl.load(starts_ptr + tl.program_id(0)) + tl.cumsum(keep.to(tl.int64), axis=0) - 1
@@ -112,7 +112,7 @@ def _release_slots_kernel(slot_ptr, n, keys_ptr, scores_ptr, digests_ptr, BLOCK:
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slot_ptr + lanes, mask=lanes < n, other=-1)
     ok = slot >= 0
-    tl.store(keys_ptr + slot, tl.full([BLOCK], -9223372036854775807 - 1, tl.int64), mask=ok)
+    tl.store(keys_ptr + slot, tl.full([BLOCK], K_EMPTY_KEY, tl.int64), mask=ok)
     tl.store(scores_ptr + slot, tl.zeros([BLOCK], tl.int64), mask=ok)
     tl.store(digests_ptr + slot, tl.zeros([BLOCK], tl.uint8), mask=ok)
 

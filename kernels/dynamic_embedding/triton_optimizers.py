@@ -17,7 +17,9 @@ from .probe_kernels import ROW_ALIGN
 # embedding values per program (rows = this / dim) and warps of the update kernel
 UPDATE_ELEMENTS, UPDATE_WARPS = 512, 2
 
-_OPTIMIZERS = {"sgd": 0, "adam": 1, "adagrad": 2, "rowwise_adagrad": 3}
+# the kernels' optimizer codes (OPT), by OptimizerConfig.name
+SGD, ADAM, ADAGRAD, ROWWISE_ADAGRAD = (tl.constexpr(i) for i in range(4))
+_OPTIMIZERS = {"sgd": SGD, "adam": ADAM, "adagrad": ADAGRAD, "rowwise_adagrad": ROWWISE_ADAGRAD}
 
 
 @triton.jit
@@ -28,13 +30,13 @@ def _load_rows(row_ptr, live, cols, dim, OPT: tl.constexpr):
     m = live[:, None] & (cols[None, :] < dim)
     base = row_ptr[:, None]
     w = tl.load(base + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    if OPT == 1:  # adam: state = m (dim), v (dim), per-row step (1)
+    if OPT == ADAM:  # state = m (dim), v (dim), per-row step (1)
         first = tl.load(base + dim + cols[None, :], mask=m, other=0.0)
         second = tl.load(base + 2 * dim + cols[None, :], mask=m, other=0.0)
         per_row = tl.load(row_ptr + 3 * dim, mask=live, other=0.0)
-    elif OPT == 2:  # adagrad: state = sum of squares (dim)
+    elif OPT == ADAGRAD:  # state = sum of squares (dim)
         first, second, per_row = tl.load(base + dim + cols[None, :], mask=m, other=0.0), 0.0, 0.0
-    elif OPT == 3:  # row-wise adagrad: state = mean of squares, summed over steps (1)
+    elif OPT == ROWWISE_ADAGRAD:  # state = mean of squares, summed over steps (1)
         first, second, per_row = 0.0, 0.0, tl.load(row_ptr + dim, mask=live, other=0.0)
     else:  # sgd: no state
         first, second, per_row = 0.0, 0.0, 0.0
@@ -54,9 +56,9 @@ def _step_rows(
         norm = tl.maximum(tl.sqrt(tl.sum(g * g, axis=1)), 1e-12)
         g = g * tl.minimum(max_norm / norm, 1.0)[:, None]
     g = g + weight_decay * w
-    if OPT == 0:  # sgd
+    if OPT == SGD:
         w = w - lr * g
-    elif OPT == 1:  # adam
+    elif OPT == ADAM:
         t = per_row + 1.0
         mom = beta1 * first + (1.0 - beta1) * g
         vel = beta2 * second + (1.0 - beta2) * g * g
@@ -66,7 +68,7 @@ def _step_rows(
         tl.store(base + dim + cols[None, :], mom, mask=m)
         tl.store(base + 2 * dim + cols[None, :], vel, mask=m)
         tl.store(row_ptr + 3 * dim, t, mask=live)
-    elif OPT == 2:  # adagrad
+    elif OPT == ADAGRAD:
         acc = first + g * g
         w = w - lr * g / (tl.sqrt(acc) + eps)
         tl.store(base + dim + cols[None, :], acc, mask=m)
