@@ -256,3 +256,56 @@ def test_an_update_after_ids_changed_in_place_sums_the_ids_it_is_given():
     fresh.apply_gradients(torch.tensor([1, 2]), grads)
     everything = torch.tensor([1, 2])
     torch.testing.assert_close(e.lookup(everything, train=False), fresh.lookup(everything, train=False))
+
+
+@pytest.mark.parametrize("backend,tiered", [("reference", False), ("reference", True), ("triton", False), ("triton", True)])
+def test_assign_writes_rows_keeps_optimizer_state_and_training_continues_from_them(backend, tiered):
+    """assign() on ids with rows (in either tier) and without: lookups return the rows
+    written, stored ids keep their Adam state, new ids get fresh state, and the next
+    update starts from the written row."""
+    cfg = EmbeddingConfig(dim=3, optimizer=OptimizerConfig(name="adam", lr=0.1), capacity=64, bucket_size=8,
+                          max_capacity=4096, device_capacity=16 if tiered else None, backend=backend)
+    e = DynamicEmbedding(cfg, on(backend))
+    trained = torch.arange(0, 40, device=e.device)
+    rows = e.lookup(trained).requires_grad_(True)
+    rows.sum().backward()
+    e.apply_gradients(trained, rows.grad)
+    keys, _, state, _ = e.export_rows()
+    state_of = {k: s for k, s in zip(keys.tolist(), state)}
+    if tiered:
+        assert len(state_of) == 40 and e.table.size() <= 16  # some of them live on the host
+
+    ids = torch.tensor([39, 1000, 5, -7, 17], device=e.device)  # three trained, two new
+    written = torch.arange(15, dtype=torch.float32).view(5, 3)
+    e.assign(ids, written)
+    assert torch.equal(e.lookup(ids, train=False).cpu(), written)
+    keys, emb, state, _ = e.export_rows()
+    at = {k: i for i, k in enumerate(keys.tolist())}
+    for k in (39, 5, 17):
+        assert torch.equal(state[at[k]].cpu(), state_of[k].cpu())  # m, v and the step count kept
+    for k in (1000, -7):
+        assert not state[at[k]].any()  # fresh Adam state
+    assert e.stats().size == 42
+
+    grad = torch.ones(5, 3, device=e.device)
+    e.lookup(ids)
+    e.apply_gradients(ids, grad)
+    after = e.lookup(ids, train=False).cpu()
+    assert torch.all(after < written)  # a positive gradient moves every value down from the written one
+    torch.testing.assert_close(after[1], written[1] - 0.1)  # a first Adam step is -lr * sign(g)
+
+
+def test_assign_refuses_what_it_cannot_write():
+    e = make()
+    with pytest.raises(ValueError, match="distinct"):
+        e.assign(torch.tensor([1, 2, 1]), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"embeddings must be \(2, 4\)"):
+        e.assign(torch.tensor([1, 2]), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="reserved"):
+        e.assign(torch.tensor([-(2**63)]), torch.zeros(1, 4))
+    custom = DynamicEmbedding(EmbeddingConfig(dim=4, eviction="custom"))
+    with pytest.raises(ValueError, match="custom eviction policy needs scores"):
+        custom.assign(torch.tensor([1]), torch.zeros(1, 4))
+    custom.assign(torch.tensor([1]), torch.ones(1, 4), scores=torch.tensor([7]))
+    assert custom.table.scores[custom.table.find(torch.tensor([1]))].item() == 7
+    assert e.stats().size == 0  # nothing was written by the refused calls

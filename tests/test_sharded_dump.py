@@ -194,3 +194,21 @@ def _dump_twice(rank, world, path):
 def test_existing_dump_is_refused_on_every_rank(tmp_path):
     run_distributed(2, _dump_twice, tmp_path / "d")
     assert read_manifest(tmp_path / "d")["world_size"] == 2
+
+
+def _assign_on_two_ranks(rank, world, out):
+    table = ShardedDynamicEmbedding(CONFIG)
+    mine = ALL_IDS[rank::world][:30].flip(0)  # distinct over the ranks, not sorted
+    table.assign(mine, (mine.double() / 1e6).float()[:, None].expand(-1, CONFIG.dim).contiguous())
+    everything = ALL_IDS[: 30 * world]
+    torch.save({"rows": table.lookup(everything, train=False), "local": table.local.export_rows()[0]}, f"{out}.rank{rank}.pt")
+
+
+def test_assign_on_two_ranks_writes_each_row_on_its_owner(tmp_path):
+    run_distributed(2, _assign_on_two_ranks, str(tmp_path / "a"))
+    everything = ALL_IDS[:60]
+    expect = (everything.double() / 1e6).float()[:, None].expand(-1, CONFIG.dim)
+    for r in range(2):
+        got = torch.load(tmp_path / f"a.rank{r}.pt")
+        assert torch.equal(got["rows"], expect)  # every rank sees every row written
+        assert bool((shard_of(got["local"], 2) == r).all())  # each row stored by its owner

@@ -442,6 +442,34 @@ class DynamicEmbedding:
             keys, rows, scores = (torch.cat([a.cpu(), b.cpu()]) for a, b in zip((keys, rows, scores), host))
         return keys, rows[:, : self.dim], rows[:, self.dim :], scores
 
+    def assign(self, ids: torch.Tensor, embeddings: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+        """Writes embedding rows from outside training (a streaming feature pipeline): ids
+        (N,) distinct int64, embeddings (N, dim). An id with a row keeps its optimizer
+        state and its tier; a new one gets a row with fresh optimizer state, where training
+        would place it (evicting as training does). Each id's score is that of one use
+        under the table's eviction policy (`scores` (N,) for the custom one). Neither
+        admission nor read_only applies: the caller asked for the write."""
+        ids = ids.to(self.device)
+        if ids.dim() != 1 or ids.dtype != torch.int64:
+            raise ValueError(f"assign: ids must be 1-D int64, got {tuple(ids.shape)} {ids.dtype}")
+        if embeddings.shape != (ids.numel(), self.dim):
+            raise ValueError(f"assign: embeddings must be ({ids.numel()}, {self.dim}), got {tuple(embeddings.shape)}")
+        if ids.numel() == 0:
+            return
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        if uniq.numel() != ids.numel():
+            raise ValueError(f"assign: ids must be distinct; {ids.numel() - uniq.numel()} are repeated (e.g. {int(uniq[counts > 1][0])})")
+        self.table._check_keys(uniq)
+        self._dedup = None  # rows change: a cached lookup of these ids is stale
+        emb = torch.empty_like(embeddings, dtype=torch.float32, device=self.device)
+        emb[inverse] = embeddings.to(self.device, torch.float32)
+        rows = self.initial_rows(uniq)
+        for table in self._tiers:  # the optimizer state of ids that have a row
+            stored = rows.to(table.dtype)
+            table._load_rows(table.find(uniq), stored)  # rows of ids found; the others unchanged
+            rows = stored.to(torch.float32)
+        self.import_rows(uniq, emb, rows[:, self.dim :], self._scores(uniq, counts, inverse, scores))
+
     def import_rows(self, keys, embeddings, state, scores) -> None:
         """Stores rows of distinct keys with their scores, overwriting stored ones. In a
         tiered table a row stays in the tier that holds it; a new one goes to the device
@@ -524,6 +552,18 @@ class ShardedDynamicEmbedding:
         )
         recv_grads = self._exchange(summed[order] / self.world_size, send, recv)
         self.local.apply_gradients(recv_ids, recv_grads)
+
+    def assign(self, ids: torch.Tensor, embeddings: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+        """DynamicEmbedding.assign on the ranks that own the ids (a collective: every rank
+        calls it, with its own ids, distinct over all ranks)."""
+        if self.world_size == 1:
+            return self.local.assign(ids, embeddings, scores)
+        recv_ids, order, inverse, send, recv = self._route(ids)
+        if inverse.numel() and int(inverse.max()) + 1 != ids.numel():
+            raise ValueError("assign: ids must be distinct")
+        recv_emb = self._exchange(embeddings.to(self.local.device, torch.float32)[torch.argsort(inverse)][order], send, recv)
+        recv_scores = None if scores is None else self._exchange(scores.to(self.local.device)[torch.argsort(inverse)][order], send, recv)
+        self.local.assign(recv_ids, recv_emb, recv_scores)
 
     def stats(self) -> TableStats:
         """Statistics summed over ranks."""
