@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from lightning_modules import datasets, export as export_lib, model_files
-from lightning_modules.evaluate import HSTURanker, PopularityRanker, SASRecRanker, catalog_of, evaluate_rankers
+from lightning_modules.evaluate import HSTURanker, PopularityRanker, SASRecRanker, catalog_of, evaluate_rankers, whole_histories
 
 from . import pytorchjob, tracking
 
@@ -172,7 +172,7 @@ def evaluate_step(
             rankers["sasrec"] = SASRecRanker(sasrec, sasrec_catalog, catalog)
         elif name == "most-popular":
             rankers["most_popular"] = PopularityRanker(data_dir, catalog)
-    results = evaluate_rankers(rankers, data_dir, "test", catalog)
+    results = evaluate_rankers(rankers, whole_histories(data_dir, "test"), catalog)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(results, indent=2))

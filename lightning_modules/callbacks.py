@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from .evaluate import catalog_of, evaluate_rankers
+from .evaluate import catalog_of, evaluate_rankers, whole_histories
 
 CHECKPOINT_RE = re.compile(r"epoch=(\d+)\.ckpt$")
 DUMP_PATTERN = "embeddings-step-*"
@@ -35,6 +35,7 @@ class Validation(Callback):
         self.data_dir, self.every, self.max_users = Path(data_dir), every, max_users
         self.monitor, self.patience = monitor, patience
         self.catalog = catalog_of(self.data_dir)
+        self.histories = whole_histories(self.data_dir, "valid")  # read once, not every epoch
         self.best_value: float | None = None
         self.best_epoch: int | None = None
         self.since_best = 0  # validations since the best
@@ -47,7 +48,7 @@ class Validation(Callback):
             return
         module.eval()
         try:
-            metrics = evaluate_rankers(module.rankers(self.catalog), self.data_dir, "valid", self.catalog, self.max_users)["model"]
+            metrics = evaluate_rankers(module.rankers(self.catalog), self.histories, self.catalog, self.max_users)["model"]
         finally:
             module.train()
         for name, value in metrics.items():

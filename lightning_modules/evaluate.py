@@ -121,6 +121,11 @@ def catalog_of(data_dir: str | Path) -> torch.Tensor:
     return torch.from_numpy(Sequences(Path(data_dir) / "test.parquet", 1).all_items())
 
 
+def whole_histories(data_dir: str | Path, split: str) -> Sequences:
+    """A split's sequences with every item (no window): what evaluation reads."""
+    return Sequences(Path(data_dir) / f"{split}.parquet", np.iinfo(np.int64).max)
+
+
 def user_sample(n_users: int, max_users: int | None, seed: int = 0) -> np.ndarray:
     """All users, or a fixed random sample of max_users of them (sorted)."""
     if max_users is None or n_users <= max_users:
@@ -131,19 +136,16 @@ def user_sample(n_users: int, max_users: int | None, seed: int = 0) -> np.ndarra
 @torch.no_grad()
 def evaluate_rankers(
     rankers: dict[str, Ranker],
-    data_dir: str | Path,
-    split: str = "test",
-    catalog: torch.Tensor | None = None,
+    full: Sequences,
+    catalog: torch.Tensor,
     max_users: int | None = None,
     batch_size: int = 256,
     group=None,
 ) -> dict[str, dict[str, float]]:
-    """{ranker name: metrics | {"users": n}} over the split's users (or a sample of
-    max_users). In an initialized process group each rank scores its share and the sums
-    are added up: every rank returns the same metrics."""
-    data_dir = Path(data_dir)
-    catalog = catalog_of(data_dir) if catalog is None else catalog
-    full = Sequences(data_dir / f"{split}.parquet", np.iinfo(np.int64).max)
+    """{ranker name: metrics | {"users": n}} over the users of a split's whole histories
+    `full` (whole_histories; or a sample of max_users of them), ranking `catalog`. In an
+    initialized process group each rank scores its share and the sums are added up: every
+    rank returns the same metrics."""
     users = user_sample(len(full), max_users)
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:

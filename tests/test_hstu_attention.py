@@ -97,8 +97,8 @@ def test_the_masks_and_buckets_are_the_stated_ones():
 
 def test_the_twin_is_the_padded_computation_and_passes_gradcheck():
     gen = torch.Generator().manual_seed(5)
-    lengths, heads, d, max_seq_len = [3, 0, 4], 2, 3, 6
-    offsets = torch.tensor([0, 3, 3, 7])
+    heads, d, max_seq_len = 2, 3, 6
+    offsets = torch.tensor([0, 3, 3, 7])  # lengths 3, 0, 4
     q, k, v = (torch.randn(7, heads, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
     timestamps = torch.tensor([1, 5, 90, 7, 8, 3000, 3001])
     position_bias = torch.randn(2 * max_seq_len - 1, generator=gen, dtype=torch.float64, requires_grad=True)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from lightning_modules import model_files
 from lightning_modules.callbacks import EpochCheckpoint, Validation
-from lightning_modules.evaluate import HSTURanker, catalog_of, evaluate_rankers
+from lightning_modules.evaluate import HSTURanker, catalog_of, evaluate_rankers, whole_histories
 from pipelines.cli import main as hstu
 
 # six users: history 10-13, validation target 16, test targets 20-25 (the other candidates)
@@ -105,7 +105,7 @@ def test_the_trained_model_is_the_best_validated_checkpoint_and_same_seed_runs_r
     for name, value in load_file(b / "model" / "dense.safetensors").items():
         assert torch.equal(value, dense[name]), name  # the same seed trained the same weights
     catalog = catalog_of(data)
-    metrics = [evaluate_rankers({"model": HSTURanker(*model_files.load_model(o / "model")[:2], catalog)}, data, "valid", catalog)
+    metrics = [evaluate_rankers({"model": HSTURanker(*model_files.load_model(o / "model")[:2], catalog)}, whole_histories(data, "valid"), catalog)
                for o in (a, b)]
     assert metrics[0] == metrics[1]
     assert metrics[0]["model"]["ndcg@10"] == meta_a["best_val_ndcg@10"]  # the restored model is the best validated one
