@@ -561,8 +561,9 @@ class ShardedDynamicEmbedding:
         recv_ids, order, inverse, send, recv = self._route(ids)
         if inverse.numel() and int(inverse.max()) + 1 != ids.numel():
             raise ValueError("assign: ids must be distinct")
-        recv_emb = self._exchange(embeddings.to(self.local.device, torch.float32)[torch.argsort(inverse)][order], send, recv)
-        recv_scores = None if scores is None else self._exchange(scores.to(self.local.device)[torch.argsort(inverse)][order], send, recv)
+        sent = torch.argsort(inverse)[order]  # each routed id's place in ids (they are distinct)
+        recv_emb = self._exchange(embeddings.to(self.local.device, torch.float32)[sent], send, recv)
+        recv_scores = None if scores is None else self._exchange(scores.to(self.local.device)[sent], send, recv)
         self.local.assign(recv_ids, recv_emb, recv_scores)
 
     def stats(self) -> TableStats:
