@@ -109,16 +109,18 @@ def test_the_twin_is_the_padded_computation_and_passes_gradcheck():
 
     assert torch.autograd.gradcheck(attention, (q, k, v, position_bias, time_bias))
     out = attention(q, k, v, position_bias, time_bias)
-    # sequence 2 (rows 3-6), head 1, by the formula written out pair by pair
-    allowed = allowed_pairs(4, 1, 1, "cpu")
-    for i in range(4):
-        want = torch.zeros(d, dtype=torch.float64)
-        for j in range(4):
-            gap = abs(int(timestamps[3 + i]) - int(timestamps[3 + j]))
-            bucket = min(max(int(torch.floor(torch.log(torch.tensor(float(max(gap, 1)))) / 0.301)), 0), 8)
-            s = q[3 + i, 1] @ k[3 + j, 1] + position_bias[j - i + max_seq_len - 1] + time_bias[bucket]
-            want += float(allowed[i, j]) * torch.nn.functional.silu(s) / max_seq_len * v[3 + j, 1]
-        assert torch.allclose(out[3 + i, 1], want)
+    # every row and head, by the formula written out pair by pair
+    for start, n, targets in ((0, 3, 1), (3, 4, 1)):
+        allowed = allowed_pairs(n, targets, 1, "cpu")
+        for h in range(heads):
+            for i in range(n):
+                want = torch.zeros(d, dtype=torch.float64)
+                for j in range(n):
+                    gap = abs(int(timestamps[start + i]) - int(timestamps[start + j]))
+                    bucket = min(max(int(torch.floor(torch.log(torch.tensor(float(max(gap, 1)))) / 0.301)), 0), 8)
+                    s = q[start + i, h] @ k[start + j, h] + position_bias[j - i + max_seq_len - 1] + time_bias[bucket]
+                    want += float(allowed[i, j]) * torch.nn.functional.silu(s) / max_seq_len * v[start + j, h]
+                assert torch.allclose(out[start + i, h], want)
 
 
 def test_bad_input_is_refused_with_the_problem_named():

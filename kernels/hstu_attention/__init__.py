@@ -51,5 +51,6 @@ def hstu_attention(
     if num_targets is not None and num_targets.shape != (offsets.numel() - 1,):
         raise ValueError(f"num_targets must have one entry per sequence ({offsets.numel() - 1}), got {tuple(num_targets.shape)}")
     if triton:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels index rows densely
         return _Attention.apply(q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len)
     return reference.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)

@@ -16,28 +16,41 @@ clamped to [0, num_buckets]. A sequence of n rows whose last T = num_targets[b] 
     target row i >= n - T:    every history row, and itself (targets do not see each other)
 
 Scores are computed in float32 (float64 for float64 inputs); the output has v's dtype.
+Sequences are sorted by length and run as LENGTH_GROUPS padded batches, each padded only
+to its own longest sequence: a loop per sequence is slower on a CPU than the padding.
 """
 import torch
 import torch.nn.functional as F
 
 TIME_BUCKET_LOG = 0.301  # time gaps are bucketed by log(gap) / this (about log 2: doublings)
+LENGTH_GROUPS = 4  # padded batches of similar lengths the sequences are run in
+
+
+def _allowed(lengths: torch.Tensor, num_targets: torch.Tensor, context_len: int, width: int) -> torch.Tensor:
+    """(G, width, width) bool for G sequences of these lengths padded to width: whether
+    row i attends to row j (never to or from padding)."""
+    i = torch.arange(width, device=lengths.device)[None, :, None]
+    j = torch.arange(width, device=lengths.device)[None, None, :]
+    n, history_end = lengths[:, None, None], (lengths - num_targets)[:, None, None]
+    in_history = j < history_end
+    pairs = torch.where(i < context_len, in_history, torch.where(i < history_end, j <= i, in_history | (j == i)))
+    return pairs & (i < n) & (j < n)
 
 
 def allowed_pairs(n: int, num_targets: int, context_len: int, device) -> torch.Tensor:
-    """(n, n) bool: whether row i attends to row j."""
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    history_end = n - num_targets
-    in_history = j < history_end
-    return torch.where(
-        i < context_len, in_history, torch.where(i < history_end, j <= i, in_history | (j == i))
-    )
+    """(n, n) bool: whether row i of a sequence of n rows attends to row j."""
+    return _allowed(torch.tensor([n], device=device), torch.tensor([num_targets], device=device), context_len, n)[0]
 
 
 def time_buckets(timestamps: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """(n, n) int64 bucket of |t_i - t_j| for one sequence's timestamps (n,)."""
-    gap = (timestamps[:, None] - timestamps[None, :]).abs().clamp(min=1).to(torch.float32)
-    return torch.floor(torch.log(gap) / TIME_BUCKET_LOG).to(torch.int64).clamp(0, num_buckets)
+    """(..., n, n) int64 bucket of |t_i - t_j| for timestamps (..., n) of one sequence each."""
+    gap = (timestamps[..., :, None] - timestamps[..., None, :]).abs_().clamp_(min=1).to(torch.float32)
+    return gap.log_().div_(TIME_BUCKET_LOG).floor_().clamp_(0, num_buckets).to(torch.int64)  # in place: (n, n) is large
+
+
+def gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table[index] (rows of table by an index of any shape)."""
+    return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
 
 
 def hstu_attention(
@@ -46,22 +59,27 @@ def hstu_attention(
     num_targets: torch.Tensor | None = None, context_len: int = 0,
 ) -> torch.Tensor:
     """(total, H, dv): q, k (total, H, dqk), v (total, H, dv) of jagged sequences."""
-    outs = []
     compute = torch.promote_types(q.dtype, torch.float32)  # float32 at least
-    bounds = offsets.tolist()
-    targets = num_targets.tolist() if num_targets is not None else [0] * (len(bounds) - 1)
-    for b in range(len(bounds) - 1):
-        start, end = bounds[b], bounds[b + 1]
-        n = end - start
-        if n == 0:
+    lengths = offsets[1:] - offsets[:-1]
+    targets = num_targets if num_targets is not None else torch.zeros_like(lengths)
+    out = torch.zeros(v.shape, dtype=compute, device=v.device)
+    for group in torch.argsort(lengths, stable=True).tensor_split(LENGTH_GROUPS):
+        width = int(lengths[group].max()) if group.numel() else 0
+        if width == 0:
             continue
-        qb, kb, vb = (x[start:end].transpose(0, 1).to(compute) for x in (q, k, v))  # (H, n, d)
-        position = torch.arange(n, device=q.device)
+        position = torch.arange(width, device=q.device)
+        valid = position[None, :] < lengths[group, None]  # (G, width)
+        rows = torch.where(valid, offsets[group, None] + position[None, :], 0)
+        # gathers by index_select, whose backward adds by index (indexing's sorts its index)
+        qg, kg, vg = (gather(x.to(compute), rows).transpose(1, 2) for x in (q, k, v))  # (G, H, width, d)
         rel = (position[None, :] - position[:, None]).clamp(-(max_seq_len - 1), max_seq_len - 1) + max_seq_len - 1
-        bias = position_bias.to(compute)[rel] + time_bias.to(compute)[time_buckets(timestamps[start:end], time_bias.numel() - 1)]
-        scores = qb @ kb.transpose(1, 2) + bias  # (H, n, n)
-        attention = F.silu(scores) / max_seq_len * allowed_pairs(n, targets[b], context_len, q.device)
-        outs.append((attention @ vb).transpose(0, 1).to(v.dtype))
-    if not outs:  # every sequence empty: v has no rows
+        buckets = time_buckets(timestamps[rows], time_bias.numel() - 1)
+        bias = gather(position_bias.to(compute), rel) + gather(time_bias.to(compute), buckets)  # (G, width, width)
+        scores = qg @ kg.transpose(-1, -2) + bias[:, None]
+        allowed = _allowed(lengths[group], targets[group], context_len, width)
+        attention = F.silu(scores) / max_seq_len * allowed[:, None]
+        result = (attention @ vg).transpose(1, 2)  # (G, width, H, dv)
+        out = out.index_copy(0, rows[valid], result[valid])
+    if not out.requires_grad and v.requires_grad:  # no rows attended: zeros that depend on v
         return v * 0
-    return torch.cat(outs)
+    return out.to(v.dtype)
