@@ -1,4 +1,5 @@
-"""Sequences from the prepared Parquet files, batched as right-padded tensors."""
+"""Sequences from the prepared Parquet files: training batches jagged (what the HSTU model
+reads), evaluation batches right-padded (what every ranker scores)."""
 from pathlib import Path
 
 import lightning as L
@@ -6,6 +7,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from .hstu import valid_mask
 
 
 class Sequences(Dataset):
@@ -51,8 +54,44 @@ def pad_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.T
     return {"item_ids": ids, "timestamps": ts, "lengths": lengths}
 
 
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, np.int64)
+
+
+def jagged_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """A training batch, built in the loader's worker so the step reads nothing back from
+    the device: item_ids and timestamps (total,) int64, the samples one after the other;
+    lengths (B,) and offsets (B + 1,); input_rows, every row but each sample's last (what
+    the model reads: row r's target is the next item, row r + 1), and input_offsets, the
+    offsets of those rows (samples one row shorter)."""
+    lengths = np.fromiter((len(items) for items, _ in samples), dtype=np.int64, count=len(samples))
+    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    input_offsets = np.zeros_like(offsets)
+    np.cumsum(np.maximum(lengths - 1, 0), out=input_offsets[1:])
+    has_next = np.ones(offsets[-1], dtype=bool)
+    has_next[offsets[1:][lengths > 0] - 1] = False  # each sample's last row
+    return {
+        "item_ids": torch.from_numpy(_concat([items for items, _ in samples])),
+        "timestamps": torch.from_numpy(_concat([times for _, times in samples])),
+        "lengths": torch.from_numpy(lengths),
+        "offsets": torch.from_numpy(offsets),
+        "input_rows": torch.from_numpy(np.flatnonzero(has_next)),
+        "input_offsets": torch.from_numpy(input_offsets),
+    }
+
+
+def padded(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, L, ...) right-padded with zeros from jagged (total, ...) values; L = the longest
+    length."""
+    width = int(lengths.max()) if lengths.numel() else 0
+    out = values.new_zeros((lengths.numel(), width) + values.shape[1:])
+    out[valid_mask(lengths, width)] = values
+    return out
+
+
 class SequenceDataModule(L.LightningDataModule):
-    """Training batches from `train.parquet`; Lightning adds the distributed sampler."""
+    """Jagged training batches from `train.parquet`; Lightning adds the distributed sampler."""
 
     def __init__(self, data_dir: str | Path, max_len: int, batch_size: int, num_workers: int = 0, random_windows: bool = False):
         super().__init__()
@@ -73,7 +112,9 @@ class SequenceDataModule(L.LightningDataModule):
             self.train,
             batch_size=self.batch_size,
             shuffle=True,
-            collate_fn=pad_batch,
+            collate_fn=jagged_batch,
             num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,  # not restarted every epoch
+            pin_memory=torch.cuda.is_available(),  # host-to-device copies that do not block
             drop_last=False,
         )

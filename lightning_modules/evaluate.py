@@ -17,7 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.jagged import offsets_from_lengths
+
 from .data import Sequences, pad_batch
+from .hstu import valid_mask
 from .sasrec import catalog_indices
 
 KS = (10, 50, 200)
@@ -75,11 +78,11 @@ class HSTURanker:
 
     @torch.no_grad()
     def scores(self, items, timestamps, lengths):
-        B, L = items.shape
-        idx = torch.searchsorted(self.catalog, items).clamp(max=len(self.catalog) - 1).to(self.device)
-        mask = (torch.arange(L)[None, :] < lengths[:, None]).to(self.device)
-        out = self.model(self.rows[idx] * mask[..., None], timestamps.to(self.device), lengths.to(self.device))
-        user = out[torch.arange(B, device=self.device), (lengths - 1).to(self.device)]
+        mask = valid_mask(lengths, items.shape[1])  # the model reads the histories jagged
+        idx = torch.searchsorted(self.catalog, items[mask]).clamp(max=len(self.catalog) - 1).to(self.device)
+        offsets = offsets_from_lengths(lengths).to(self.device)
+        out = self.model(self.rows[idx], timestamps[mask].to(self.device), offsets)
+        user = out[offsets[1:] - 1]  # each history's last row
         return (user @ self.item_emb.T).cpu()
 
 

@@ -85,12 +85,13 @@ class Recommender:
         n = ids.numel()
         scores = torch.zeros(len(self.item_ids), device=device)
         if n:
-            emb = self.item_table.lookup(ids.to(device), train=False)[None]
-            out = self.model(emb, ts[None].to(device), torch.tensor([n], device=device))
-            scores = self.item_emb @ out[0, n - 1]
-        if exclude_history and n:
-            pos = torch.searchsorted(self.item_ids, ids.to(device)).clamp(max=len(self.item_ids) - 1)
-            known = self.item_ids[pos] == ids.to(device)
+            emb = self.item_table.lookup(ids.to(device), train=False)
+            out = self.model(emb, ts.to(device), torch.tensor([0, n], device=device))
+            scores = self.item_emb @ out[n - 1]
+        if exclude_history and len(history):  # the whole history, not only the window the model read
+            seen = torch.as_tensor(np.asarray(history, dtype=np.int64), device=device)
+            pos = torch.searchsorted(self.item_ids, seen).clamp(max=len(self.item_ids) - 1)
+            known = self.item_ids[pos] == seen
             scores[pos[known]] = float("-inf")
         top = torch.topk(scores, min(k, len(self.item_ids)))
         return [(int(i), float(s)) for i, s in zip(self.item_ids[top.indices].tolist(), top.values.tolist())]

@@ -1,14 +1,19 @@
-"""HSTU (Hierarchical Sequential Transduction Units), the paper's research layer.
+"""HSTU (Hierarchical Sequential Transduction Units), the paper's research layer, on jagged
+sequences.
 
-Sequences arrive padded on the right: embeddings (B, L, D), timestamps (B, L) and lengths
-(B,). Each block computes
+A batch is jagged: item embeddings (total, D), the rows of every sequence one after the
+other, their timestamps (total,) and offsets (B + 1,) (sequence b is rows offsets[b] to
+offsets[b + 1]). Nothing is padded and no (B, L, L) tensor is made: the attention is
+kernels.hstu_attention (Triton on CUDA, its PyTorch twin elsewhere), which looks the
+relative position and time-gap biases up from their tables. Each block computes
 
     U, V, Q, K = split(SiLU(W · LayerNorm(x)))
-    A = SiLU(Q Kᵀ + rab_pos + rab_time) / max_seq_len     causal, padded keys masked
+    A = SiLU(Q Kᵀ + rab_pos + rab_time) / max_seq_len     causal, within each sequence
     y = x + W_o · Dropout(LayerNorm(A V) ⊙ U)
 
-and the output is L2-normalized. The item embeddings come from outside (the dynamic
-table), so this module holds only dense weights.
+and the output is L2-normalized. Row t's output depends on rows 0..t of its sequence
+only. The item embeddings come from outside (the dynamic table), so this module holds only
+dense weights.
 """
 import math
 
@@ -16,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.hstu_attention import TIME_BUCKET_LOG
+from kernels.hstu_attention import hstu_attention
 
 from .config import HSTUConfig
 
@@ -26,48 +31,21 @@ def valid_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
 
-class _GatherBias(torch.autograd.Function):
-    """table[index] for a small table and a large index. The backward sums gradients with
-    one index_add_, where the default (index_put_ with accumulate) sorts the whole index."""
-
-    @staticmethod
-    def forward(ctx, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.size = table.numel()
-        return table[index]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        table_grad = grad.new_zeros(ctx.size).index_add_(0, index.reshape(-1), grad.reshape(-1))
-        return table_grad, None
-
-
-def bias_indices(timestamps: torch.Tensor, max_seq_len: int, num_time_buckets: int):
-    """Shared by every block: relative position index (L, L) into a (2·max_len − 1) table,
-    and log-scaled time gap bucket (B, L, L) into a (num_time_buckets + 1) table."""
-    L = timestamps.shape[1]
-    pos = torch.arange(L, device=timestamps.device)
-    rel = (pos[None, :] - pos[:, None]).clamp(-(max_seq_len - 1), max_seq_len - 1) + max_seq_len - 1
-    # times relative to each sequence's first fit float32 (a gap's rounding is far below
-    # its bucket's width); the (B, L, L) work is done in place
-    base = timestamps[:, :1]
-    times = (timestamps - base).float()
-    gap = times[:, :, None] - times[:, None, :]
-    bucket = gap.abs_().clamp_(min=1).log_().mul_(1 / TIME_BUCKET_LOG).to(torch.int64).clamp_(0, num_time_buckets)
-    return rel, bucket
+def positions_in_sequence(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) each row's place in its sequence (0 for the first row)."""
+    lengths = offsets[1:] - offsets[:-1]
+    starts = torch.repeat_interleave(offsets[:-1], lengths, output_size=total)  # no host read
+    return torch.arange(total, device=offsets.device) - starts
 
 
 class RelativeBias(nn.Module):
-    """Learned bias per relative position (j - i) and per log-scaled time gap bucket."""
+    """Learned bias per relative position (j - i) and per log-scaled time gap bucket: the
+    tables the attention kernel reads."""
 
     def __init__(self, max_seq_len: int, num_time_buckets: int):
         super().__init__()
         self.position = nn.Parameter(torch.empty(2 * max_seq_len - 1).normal_(0, 0.02))
         self.time = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(0, 0.02))
-
-    def forward(self, rel: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
-        return self.position[rel][None] + _GatherBias.apply(self.time, bucket)  # (B, L, L)
 
 
 class HSTUBlock(nn.Module):
@@ -86,40 +64,36 @@ class HSTUBlock(nn.Module):
         self.dropout = nn.Dropout(c.dropout)
         self.bias = RelativeBias(c.max_seq_len, c.num_time_buckets)
 
-    def forward(self, x: torch.Tensor, bias_index: tuple, mask: torch.Tensor) -> torch.Tensor:
-        B, L, _ = x.shape
+    def forward(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, backend: str) -> torch.Tensor:
+        total = x.shape[0]
         H, dqk, dv = self.heads, self.dqk, self.dv
         u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split([H * dv, H * dv, H * dqk, H * dqk], dim=-1)
-        q = q.view(B, L, H, dqk).transpose(1, 2)  # (B, H, L, dqk)
-        k = k.view(B, L, H, dqk).transpose(1, 2)
-        v = v.view(B, L, H, dv).transpose(1, 2)
-        scores = q @ k.transpose(-1, -2) + self.bias(*bias_index)[:, None]  # (B, H, L, L)
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        allowed = causal[None] & mask[:, None, :]  # (B, L, L): past, valid keys
-        attn = F.silu(scores) / self.max_seq_len * allowed[:, None]
-        out = (attn @ v).transpose(1, 2).reshape(B, L, H * dv)
-        return x + self.output(self.dropout(self.attn_norm(out) * u))
+        out = hstu_attention(
+            q.reshape(total, H, dqk), k.reshape(total, H, dqk), v.reshape(total, H, dv),
+            offsets, timestamps, self.bias.position, self.bias.time, self.max_seq_len, backend=backend,
+        )
+        return x + self.output(self.dropout(self.attn_norm(out.reshape(total, H * dv)) * u))
 
 
 class HSTU(nn.Module):
-    """Dense part of the model: input scaling + positions, HSTU blocks, L2-normalized output."""
+    """Dense part of the model: input scaling + positions, HSTU blocks, L2-normalized output.
+    `attention_backend` picks the attention's implementation ("auto": Triton on CUDA)."""
 
-    def __init__(self, c: HSTUConfig):
+    def __init__(self, c: HSTUConfig, attention_backend: str = "auto"):
         super().__init__()
         self.config = c
+        self.attention_backend = attention_backend
         self.positions = nn.Embedding(c.max_seq_len, c.embedding_dim)
         nn.init.xavier_normal_(self.positions.weight)
         self.input_dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(HSTUBlock(c) for _ in range(c.num_blocks))
 
-    def forward(self, item_emb: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """item_emb (B, L, D), timestamps (B, L), lengths (B,) → (B, L, D), unit norm."""
-        B, L, D = item_emb.shape
-        mask = valid_mask(lengths, L)
-        x = item_emb * math.sqrt(D) + self.positions.weight[:L][None]
-        x = self.input_dropout(x) * mask[..., None]
-        bias_index = bias_indices(timestamps, self.config.max_seq_len, self.config.num_time_buckets)
+    def forward(self, item_emb: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """item_emb (total, D), timestamps (total,), offsets (B + 1,) int64 of sequences no
+        longer than max_seq_len → (total, D), unit norm."""
+        total, D = item_emb.shape
+        x = item_emb * math.sqrt(D) + self.positions(positions_in_sequence(offsets, total))
+        x = self.input_dropout(x)
         for block in self.blocks:
-            x = block(x, bias_index, mask) * mask[..., None]
+            x = block(x, timestamps, offsets, self.attention_backend)
         return F.normalize(x, dim=-1)
-

@@ -56,23 +56,36 @@ class _BlockwiseSoftmaxCE(torch.autograd.Function):
         total = q.new_zeros((), dtype=torch.float64)
         grad_q = torch.empty_like(q) if want_q else None
         grad_keys = torch.zeros_like(keys) if want_keys else None
+        # under autocast the products run in its dtype (bf16 on a GPU) and the softmax in
+        # float32, as autocast runs a matmul and cross_entropy; otherwise in q's dtype
+        device = q.device.type
+        mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
         step = block_rows(keys.shape[0], q.device)
-        for start in range(0, q.shape[0], step):
-            qb, tb = q[start : start + step], target[start : start + step]
-            logits = qb @ keys.T
-            rows = torch.arange(len(tb), device=q.device)
-            target_logit = logits[rows, tb]
-            top = logits.amax(1, keepdim=True)
-            probs = logits.sub_(top).exp_()  # in place: the block's logits become its softmax
-            norm = probs.sum(1, keepdim=True)
-            total += (norm.log().squeeze(1) + top.squeeze(1) - target_logit).sum(dtype=torch.float64)
-            if want_q or want_keys:
-                probs.div_(norm)
-                probs[rows, tb] -= 1.0  # d(summed loss)/d(logits)
-                if want_q:
-                    torch.mm(probs, keys, out=grad_q[start : start + step])
-                if want_keys:
-                    grad_keys.addmm_(probs.T, qb)
+        with torch.autocast(device, enabled=False):
+            q_mm, keys_mm = q.to(mm_dtype), keys.to(mm_dtype)
+            for start in range(0, q.shape[0], step):
+                qb, tb = q_mm[start : start + step], target[start : start + step]
+                logits = (qb @ keys_mm.T).to(q.dtype)
+                rows = torch.arange(len(tb), device=q.device)
+                target_logit = logits[rows, tb]
+                top = logits.amax(1, keepdim=True)
+                probs = logits.sub_(top).exp_()  # in place: the block's logits become its softmax
+                norm = probs.sum(1, keepdim=True)
+                total += (norm.log().squeeze(1) + top.squeeze(1) - target_logit).sum(dtype=torch.float64)
+                if want_q or want_keys:
+                    probs.div_(norm)
+                    probs[rows, tb] -= 1.0  # d(summed loss)/d(logits)
+                    if mm_dtype == q.dtype:  # in place into the gradients: no block-sized temporaries
+                        if want_q:
+                            torch.mm(probs, keys_mm, out=grad_q[start : start + step])
+                        if want_keys:
+                            grad_keys.addmm_(probs.T, qb)
+                    else:
+                        probs = probs.to(mm_dtype)
+                        if want_q:
+                            grad_q[start : start + step] = probs @ keys_mm
+                        if want_keys:
+                            grad_keys += probs.T @ qb
         count = max(q.shape[0], 1)
         ctx.save_for_backward(grad_q, grad_keys)
         ctx.count = count

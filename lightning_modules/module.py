@@ -18,12 +18,12 @@ from kernels.dynamic_embedding import ShardedDynamicEmbedding, dump, load
 
 from .config import HSTUConfig
 from .evaluate import HSTURanker, SASRecRanker
+from .data import padded
 from .hstu import HSTU, valid_mask
 from .losses import catalog_softmax_loss, sampled_softmax_loss
 from .sasrec import SASRec, SASRecConfig, bce_loss, catalog_indices, negatives_outside_history
 
 EMBEDDING_DUMP_KEY = "embedding_dump"
-LENGTH_GROUPS = 4  # groups of similar lengths a training batch is run in (outputs_at)
 
 
 def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
@@ -68,44 +68,21 @@ class HSTULightningModule(L.LightningModule):
         idx = torch.randperm(len(self.catalog), generator=g)[:n]
         return self.catalog[idx.to(self.catalog.device)]
 
-    def outputs_at(self, emb: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """The model's outputs at the positions `keep` (B, L) selects, in row-major order:
-        those of one padded run over the batch. Rows sorted by length are run in
-        LENGTH_GROUPS groups, each padded only to its own longest sequence: attention over
-        padding is most of the work of a padded run when lengths vary."""
-        outs = []
-        for rows in torch.arange(len(lengths), device=lengths.device).tensor_split(LENGTH_GROUPS):
-            width = int(lengths[rows].max()) if rows.numel() else 0
-            if width:
-                out = self.model(emb[rows, :width], timestamps[rows, :width], lengths[rows])
-                outs.append(out[keep[rows, :width]])
-        return torch.cat(outs) if outs else emb.new_zeros(0, emb.shape[-1])
-
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        order = torch.argsort(batch["lengths"], stable=True)  # for outputs_at's groups; the loss is a mean
-        ids, ts, lengths = batch["item_ids"][order], batch["timestamps"][order], batch["lengths"][order]
-        B, L = ids.shape
-        mask = valid_mask(lengths, L)
-        seq_ids = ids[mask]  # the batch's items, jagged
+        # a jagged batch (data.jagged_batch): the model reads every row but each sequence's
+        # last, and row r's output predicts row r + 1
+        ids, sources = batch["item_ids"], batch["input_rows"]
         negatives = self.sample_negatives()
-        all_ids = torch.cat([seq_ids, negatives])
+        all_ids = torch.cat([ids, negatives])
         rows = self.item_table.lookup(all_ids).requires_grad_(True)  # leaf: gradients land in rows.grad
-        seq_rows, neg_rows = rows[: seq_ids.numel()], rows[seq_ids.numel() :]
-
-        # the model reads positions 0..L-2; position t predicts item t+1
-        in_len = (lengths - 1).clamp(min=0)
-        emb = torch.zeros(B, L, self.config.embedding_dim, device=rows.device, dtype=rows.dtype)
-        emb[mask] = seq_rows
-        row_of = torch.full((B, L), -1, dtype=torch.long, device=ids.device)
-        row_of[mask] = torch.arange(seq_ids.numel(), device=ids.device)
-        has_target = mask[:, 1:]
-        targets = row_of[:, 1:][has_target]
-        out = self.outputs_at(emb[:, :-1], ts[:, :-1], in_len, has_target)  # (targets, D)
+        seq_rows, neg_rows = rows[: ids.numel()], rows[ids.numel() :]
+        out = self.model(seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])  # (targets, D)
+        targets = sources + 1
         if targets.numel() and negatives is self.catalog:  # the full softmax
-            index = torch.searchsorted(self.catalog, seq_ids[targets])
+            index = torch.searchsorted(self.catalog, ids[targets])
             loss = catalog_softmax_loss(out, neg_rows, index, self.config.temperature)
         elif targets.numel():
-            loss = sampled_softmax_loss(out, seq_rows[targets], seq_ids[targets], neg_rows, negatives, self.config.temperature)
+            loss = sampled_softmax_loss(out, seq_rows[targets], ids[targets], neg_rows, negatives, self.config.temperature)
         else:  # no targets here: a zero that still touches every weight, so DDP's all-reduce runs
             loss = out.sum() * 0.0 + sum(p.sum() for p in self.model.parameters()) * 0.0 + rows.sum() * 0.0
 
@@ -115,6 +92,7 @@ class HSTULightningModule(L.LightningModule):
         opt.step()
         self.item_table.apply_gradients(all_ids, rows.grad)
 
+        B = len(batch["lengths"])
         self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=B)
         self._log_throughput(B)
         return loss.detach()
@@ -175,7 +153,7 @@ class SASRecLightningModule(L.LightningModule):
         return catalog_indices(self.catalog, ids) * valid_mask(lengths, ids.shape[1])
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        items = self.indices(batch["item_ids"], batch["lengths"])
+        items = self.indices(padded(batch["item_ids"], batch["lengths"]), batch["lengths"])
         B, L = items.shape
         in_len = (batch["lengths"] - 1).clamp(min=0)
         hidden = self.model(items[:, :-1], in_len) if L > 1 else items.new_zeros(B, 0, self.config.hidden_dim).float()

@@ -26,6 +26,14 @@ from .sasrec import SASRecConfig
 
 MODELS = ("hstu", "sasrec")
 MONITOR = "ndcg@10"  # the validation metric that picks the best checkpoint
+GPU_LOADER_WORKERS = 4  # loader processes per training process on a GPU: batches built ahead
+
+
+def precision_for(accelerator: str, precision: str = "auto") -> str:
+    """Lightning's precision setting: bf16 autocast on GPUs, float32 on CPUs, or as given."""
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if accelerator == "gpu" else "32-true"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
+    p.add_argument("--precision", default="auto",
+                   help="Lightning precision: auto is bf16-mixed (bf16 autocast) on GPUs and 32-true on CPUs")
+    p.add_argument("--loader-workers", type=int,
+                   help="data loader worker processes per training process (default: 4 on GPUs, 0 on CPUs)")
     p.add_argument("--log-every", type=int, default=1, help="steps between metric logs")
     p.add_argument("--tracking-uri", help="MLflow tracking URI; no MLflow without it")
     p.add_argument("--run-id", help="MLflow run to log into")
@@ -80,8 +92,10 @@ def main(argv=None) -> Path:
     L.seed_everything(config.seed, workers=True, verbose=False)
     if config.batch_size % world:
         raise SystemExit(f"--batch-size {config.batch_size} does not split over {world} processes")
+    workers = args.loader_workers if args.loader_workers is not None else (GPU_LOADER_WORKERS if accelerator == "gpu" else 0)
     data = SequenceDataModule(  # SASRec keeps its published sampling: each sequence's last window
-        args.data_dir, config.max_seq_len, config.batch_size // world, random_windows=getattr(config, "random_windows", False)
+        args.data_dir, config.max_seq_len, config.batch_size // world, num_workers=workers,
+        random_windows=getattr(config, "random_windows", False),
     )
     if args.model == "hstu":
         module = HSTULightningModule(config, catalog, checkpoint_dir=ckpt_dir)
@@ -103,6 +117,7 @@ def main(argv=None) -> Path:
         devices=per_node,
         num_nodes=max(1, world // per_node),
         strategy="ddp" if world > 1 else "auto",
+        precision=precision_for(accelerator, args.precision),
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         logger=logger,

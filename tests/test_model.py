@@ -1,10 +1,11 @@
 """The HSTU model, the loss, the metrics, and a training step on an empty batch."""
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
 from lightning_modules.config import HSTUConfig, preset
-from lightning_modules.data import pad_batch
+from lightning_modules.data import jagged_batch, padded
 from lightning_modules.evaluate import ranking_metrics, target_ranks
 from lightning_modules.hstu import HSTU
 from lightning_modules import losses
@@ -22,20 +23,80 @@ def test_presets_are_the_papers_ml1m_settings():
         assert (c.max_seq_len, c.dropout, c.lr, c.betas, c.batch_size, c.temperature) == (200, 0.2, 4e-3, (0.9, 0.98), 128, 0.1)
 
 
-def test_output_is_causal_normalized_and_ignores_padding():
+def jagged_case(lengths, dim=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    return torch.randn(total, dim, generator=gen), torch.randint(0, 10**6, (total,), generator=gen).sort().values, offsets
+
+
+def test_output_is_causal_normalized_and_sequences_are_independent():
     model = HSTU(SMALL).eval()
-    emb = torch.randn(2, 10, 16)
-    ts = torch.randint(0, 10**6, (2, 10)).sort(1).values
-    lengths = torch.tensor([10, 6])
-    out = model(emb, ts, lengths)
-    torch.testing.assert_close(out[0].norm(dim=-1), torch.ones(10))
-    assert out[1, 6:].abs().sum() == 0
-    changed = emb.clone()
-    changed[0, 7:] = torch.randn(3, 16)  # the future
-    changed[1, 6:] = torch.randn(4, 16)  # padding
-    out2 = model(changed, ts, lengths)
-    torch.testing.assert_close(out2[0, :7], out[0, :7])
-    torch.testing.assert_close(out2[1], out[1])
+    emb, ts, offsets = jagged_case([10, 6, 0, 12])
+    with torch.no_grad():
+        out = model(emb, ts, offsets)
+        torch.testing.assert_close(out.norm(dim=-1), torch.ones(len(emb)))
+        changed = emb.clone()
+        changed[7:10] = torch.randn(3, 16)  # sequence 0's future after row 6
+        out2 = model(changed, ts, offsets)
+        torch.testing.assert_close(out2[:7], out[:7])  # its past and every other sequence unchanged
+        torch.testing.assert_close(out2[10:], out[10:])
+        assert not torch.allclose(out2[7:10], out[7:10])
+        # each sequence alone gives what it gives in the batch
+        for b in range(4):
+            start, end = int(offsets[b]), int(offsets[b + 1])
+            alone = model(emb[start:end], ts[start:end], torch.tensor([0, end - start]))
+            torch.testing.assert_close(alone, out[start:end])
+        assert model(emb[:0], ts[:0], torch.zeros(1, dtype=torch.int64)).shape == (0, 16)
+
+
+def test_jagged_batches_name_the_rows_the_model_reads():
+    samples = [(np.array([10, 11, 12]), np.array([1, 2, 3])), (np.zeros(0, np.int64), np.zeros(0, np.int64)),
+               (np.array([20]), np.array([4])), (np.array([30, 31]), np.array([5, 6]))]
+    batch = jagged_batch(samples)
+    assert batch["item_ids"].tolist() == [10, 11, 12, 20, 30, 31] and batch["timestamps"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert batch["offsets"].tolist() == [0, 3, 3, 4, 6] and batch["lengths"].tolist() == [3, 0, 1, 2]
+    assert batch["input_rows"].tolist() == [0, 1, 4]  # 10 -> 11, 11 -> 12, 30 -> 31
+    assert batch["input_offsets"].tolist() == [0, 2, 2, 2, 3]
+    assert padded(batch["item_ids"], batch["lengths"]).tolist() == [[10, 11, 12], [0, 0, 0], [20, 0, 0], [30, 31, 0]]
+    empty = jagged_batch([])
+    assert empty["item_ids"].shape == (0,) and empty["offsets"].tolist() == [0] and empty["input_rows"].numel() == 0
+
+
+def padded_hstu(model: HSTU, emb, ts, lengths):
+    """The model's computation written out on padded (B, L, D) batches, each block's
+    attention as one dense (B, H, L, L) product: what the jagged model must equal."""
+    c = model.config
+    B, L, D = emb.shape
+    mask = torch.arange(L)[None, :] < lengths[:, None]
+    x = emb * D**0.5 + model.positions.weight[:L][None]
+    pos = torch.arange(L)
+    rel = (pos[None, :] - pos[:, None]).clamp(-(c.max_seq_len - 1), c.max_seq_len - 1) + c.max_seq_len - 1
+    gap = (ts[:, :, None] - ts[:, None, :]).abs().clamp(min=1).float()
+    bucket = torch.floor(torch.log(gap) / 0.301).long().clamp(0, c.num_time_buckets)
+    allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & mask[:, None, :]
+    H, dqk, dv = c.num_heads, c.attention_dim, c.linear_dim
+    for block in model.blocks:
+        u, v, q, k = torch.nn.functional.silu(block.uvqk(block.input_norm(x))).split([H * dv, H * dv, H * dqk, H * dqk], -1)
+        q, k, v = (t.view(B, L, H, -1).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) + (block.bias.position[rel][None] + block.bias.time[bucket])[:, None]
+        attn = torch.nn.functional.silu(scores) / c.max_seq_len * allowed[:, None]
+        out = (attn @ v).transpose(1, 2).reshape(B, L, H * dv)
+        x = x + block.output(block.attn_norm(out) * u)
+    return torch.nn.functional.normalize(x, dim=-1)[mask]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_jagged_model_is_the_padded_computation(backend):
+    model = HSTU(SMALL, attention_backend=backend).eval()
+    lengths = torch.tensor([1, 3, 12, 5, 0, 7, 12, 2])
+    emb, ts, offsets = jagged_case(lengths.tolist(), seed=1)
+    want = padded_hstu(model, padded(emb, lengths), padded(ts, lengths), lengths)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs interpreted on a CPU
+    with torch.no_grad():
+        got = model.to(device)(emb.to(device), ts.to(device), offsets.to(device))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
 
 
 def test_sampled_softmax_masks_accidental_hits():
@@ -91,27 +152,12 @@ def test_training_step_on_batches_with_and_without_targets():
     module = HSTULightningModule(SMALL, catalog=torch.arange(100, 130))
     trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     batches = [
-        pad_batch([]),  # an empty batch
-        pad_batch([(torch.tensor([101]).numpy(), torch.tensor([5]).numpy())]),  # one item: no target
-        pad_batch([(torch.arange(100, 108).numpy(), torch.arange(8).numpy()), (torch.tensor([120, 121]).numpy(), torch.tensor([1, 2]).numpy())]),
+        jagged_batch([]),  # an empty batch
+        jagged_batch([(torch.tensor([101]).numpy(), torch.tensor([5]).numpy())]),  # one item: no target
+        jagged_batch([(torch.arange(100, 108).numpy(), torch.arange(8).numpy()), (torch.tensor([120, 121]).numpy(), torch.tensor([1, 2]).numpy())]),
     ]
     weights = [p.detach().clone() for p in module.model.parameters()]
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     assert trainer.global_step == 3
     assert module.item_table.stats().size > 2  # items and negatives got rows
     assert any(not torch.equal(w, p) for w, p in zip(weights, module.model.parameters()))
-
-
-def test_outputs_by_length_groups_equal_one_padded_run():
-    module = HSTULightningModule(SMALL, catalog=torch.arange(100, 130)).eval()
-    lengths = torch.tensor([1, 3, 12, 5, 7, 0, 12, 2, 9])  # sorted or not, empty and full rows
-    lengths = lengths.sort().values
-    B, L = len(lengths), 12
-    emb = torch.randn(B, L, 16)
-    ts = torch.randint(0, 10**6, (B, L)).sort(1).values
-    keep = torch.arange(L)[None] < (lengths - 1).clamp(min=0)[:, None]
-    with torch.no_grad():
-        grouped = module.outputs_at(emb, ts, lengths, keep)
-        padded = module.model(emb, ts, lengths)[keep]
-    assert grouped.shape == (int(keep.sum()), 16)
-    torch.testing.assert_close(grouped, padded)
