@@ -1,11 +1,25 @@
-"""Training throughput of HSTU on the dynamic embedding: samples (sequences) per second.
+"""Training throughput of HSTU on the dynamic embedding: samples (sequences) per second,
+TFLOP/s and MFU.
 
     python benchmarks/train_throughput.py --device cpu
-    python benchmarks/train_throughput.py --device cuda --preset hstu-large
+    python benchmarks/train_throughput.py --device cuda --preset hstu hstu-large hstu-long
 
-Synthetic ML-1M-like data (seeded), one process, the real LightningModule and Trainer
-(manual optimization, table lookups and fused sparse updates included). The first
-`--warmup` steps are not timed; on CUDA every timed step ends with a synchronize.
+One process, the real LightningModule, data loader and Trainer (manual optimization, table
+lookups and fused sparse updates included), bf16 autocast on CUDA as training runs there.
+Data: synthetic ML-1M-like sequences (seeded) for the paper presets; for presets longer
+than those (hstu-long) sequences of lengths uniform in [N/2, N] over a Zipf catalog. The
+first `--warmup` steps are not timed; on CUDA every timed step ends with a synchronize.
+
+FLOPs per step count the matrix products (layer norms, activations and the embedding
+table are left out). With P positions the model reads (sequences of n_b rows), width D,
+H heads of dqk / dv, `blocks` blocks and N negatives (the catalog for the full softmax):
+
+    forward   = blocks · (2·P·D·H·(2·dqk + 2·dv) + 2·P·H·dv·D)     projections
+              + blocks · H · Σ n_b² · (dqk + dv)                   causal half of QKᵀ and AV
+              + 2·P·N·D                                             the loss's logits
+    step      = 3 · (projections + loss) + 3.5 · attention
+
+MFU divides TFLOP/s by the device's dense bf16 peak (PEAK_TFLOPS; none on a CPU).
 Prints a table and writes JSON to benchmarks/results/.
 """
 import argparse
@@ -16,6 +30,9 @@ import time
 from pathlib import Path
 
 import lightning as L
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,12 +42,49 @@ from lightning_modules.config import PRESETS, preset  # noqa: E402
 from lightning_modules.data import SequenceDataModule  # noqa: E402
 from lightning_modules.datasets import prepare  # noqa: E402
 from lightning_modules.module import HSTULightningModule  # noqa: E402
+from lightning_modules.train import precision_for  # noqa: E402
+
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16, SXM parts, by a word of the device name
+ML1M_LIKE_MAX_LEN = 2000  # the synthetic generator's longest sequence
+CATALOG = 1 << 20  # items of the uniform-length data
+
+
+def step_flops(config, input_lengths: np.ndarray, negatives: int) -> float:
+    """The matrix-product FLOPs of one training step (the module docstring's formula)."""
+    c = config
+    positions, squares = float(input_lengths.sum()), float((input_lengths.astype(np.float64) ** 2).sum())
+    projections = c.num_blocks * positions * c.embedding_dim * c.num_heads * (2 * (2 * c.attention_dim + 2 * c.linear_dim) + 2 * c.linear_dim)
+    attention = c.num_blocks * c.num_heads * squares * (c.attention_dim + c.linear_dim)
+    loss = 2 * positions * negatives * c.embedding_dim
+    return 3 * (projections + loss) + 3.5 * attention
+
+
+def uniform_lengths_data(path: Path, users: int, max_len: int, seed: int) -> None:
+    """train.parquet of `users` sequences of max_len / 2 .. max_len items (plus the last
+    one's target), items Zipf-distributed over CATALOG ids, timestamps a minute apart on
+    average."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max_len // 2, max_len + 1, size=users) + 1
+    items = (rng.zipf(1.2, size=int(lengths.sum())) - 1) % CATALOG
+    times = np.cumsum(rng.exponential(60.0, size=int(lengths.sum()))).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    table = pa.table({
+        "user_id": np.arange(1, users + 1, dtype=np.int64),
+        "item_ids": pa.ListArray.from_arrays(offsets, items.astype(np.int64)),
+        "timestamps": pa.ListArray.from_arrays(offsets, times),
+    })
+    pq.write_table(table, path / "train.parquet")
 
 
 class StepTimer(L.Callback):
-    def __init__(self, warmup: int, device: str):
-        self.warmup, self.device = warmup, device
-        self.start, self.samples, self.positions, self.steps = None, 0, 0, 0
+    def __init__(self, warmup: int, device: str, config, negatives: int, profiler=None):
+        self.warmup, self.device, self.config, self.negatives = warmup, device, config, negatives
+        self.start, self.samples, self.positions, self.steps, self.flops = None, 0, 0, 0, 0.0
+        self.profiler = profiler  # torch.profiler over the timed steps, or None
+
+    def on_train_end(self, trainer, module):
+        if self.profiler is not None:
+            self.profiler.stop()
 
     def _sync(self):
         if self.device == "cuda":
@@ -39,35 +93,56 @@ class StepTimer(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self._sync()
         if trainer.global_step == self.warmup:
+            if self.profiler is not None:
+                self.profiler.start()
             self.start = time.perf_counter()
         elif trainer.global_step > self.warmup:
+            input_lengths = batch["input_offsets"].diff().cpu().numpy()
             self.samples += len(batch["lengths"])
-            self.positions += int(batch["lengths"].sum())
+            self.positions += int(input_lengths.sum())
+            self.flops += step_flops(self.config, input_lengths, self.negatives)
             self.steps += 1
             self.elapsed = time.perf_counter() - self.start
 
 
-def run(device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None) -> dict:
+def run(device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None) -> dict:
     config = preset(preset_name).override(batch_size=batch_size)
     with tempfile.TemporaryDirectory() as tmp:
-        stats = prepare("synthetic", tmp, synthetic_users=users, seed=0)
-        data = SequenceDataModule(tmp, config.max_seq_len, config.batch_size, num_workers=2)
-        module = HSTULightningModule(config, data.catalog())
-        timer = StepTimer(warmup, device)
+        if config.max_seq_len > ML1M_LIKE_MAX_LEN:
+            users = config.batch_size * (warmup + steps)
+            uniform_lengths_data(Path(tmp), users, config.max_seq_len, seed=0)
+        else:
+            users = prepare("synthetic", tmp, synthetic_users=users, seed=0)["users"]
+        data = SequenceDataModule(tmp, config.max_seq_len, config.batch_size, num_workers=2, random_windows=config.random_windows)
+        catalog = data.catalog()
+        module = HSTULightningModule(config, catalog)
+        profiler = None
+        if profile:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+            profiler = torch.profiler.profile(activities=activities)
+        timer = StepTimer(warmup, device, config, min(config.num_negatives, len(catalog)), profiler)
+        accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
-            accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=warmup + steps,
+            accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[timer],
         )
         trainer.fit(module, datamodule=data)
+    if profiler is not None:
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(profile) / f"{preset_name}.json"))
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        print(f"\n{preset_name}: the timed steps by {sort}\n" + profiler.key_averages().table(sort_by=sort, row_limit=30))
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    tflops = timer.flops / timer.elapsed / 1e12
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name.split()), None) if device == "cuda" else None
     return {
         "device": device, "device_name": name, "threads": torch.get_num_threads(), "preset": preset_name,
-        "batch_size": config.batch_size, "max_seq_len": config.max_seq_len, "num_negatives": config.num_negatives,
-        "users": stats["users"], "timed_steps": timer.steps, "seconds": timer.elapsed,
+        "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
+        "num_negatives": config.num_negatives, "users": users, "timed_steps": timer.steps, "seconds": timer.elapsed,
         "samples_per_s": timer.samples / timer.elapsed, "positions_per_s": timer.positions / timer.elapsed,
-        "ms_per_step": 1000 * timer.elapsed / timer.steps, "embedding_rows": module.item_table.stats().size,
-        "torch": torch.__version__,
+        "ms_per_step": 1000 * timer.elapsed / timer.steps, "TFLOPs": tflops, "MFU": tflops / peak if peak else None,
+        "embedding_rows": module.item_table.stats().size, "torch": torch.__version__,
     }
 
 
@@ -79,13 +154,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int)
+    p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops, write Chrome traces to DIR")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
-    rows = [run(args.device, name, args.users, args.steps, args.warmup, args.batch_size) for name in args.preset]
-    print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}")
+    rows = [run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile) for name in args.preset]
+    print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")
     for r in rows:
-        print(f"{r['device_name'][:27]:<28}{r['preset']:<12}{r['batch_size']:>6}{r['samples_per_s']:>12.1f}{r['positions_per_s']:>14.0f}{r['ms_per_step']:>10.1f}")
+        mfu = f"{100 * r['MFU']:6.1f}%" if r["MFU"] is not None else f"{'-':>7}"
+        print(f"{r['device_name'][:27]:<28}{r['preset']:<12}{r['batch_size']:>6}{r['samples_per_s']:>12.1f}"
+              f"{r['positions_per_s']:>14.0f}{r['ms_per_step']:>10.1f}{r['TFLOPs']:>9.2f}{mfu}")
     write_results("train_throughput", rows, args.out, device=args.device)
 
 

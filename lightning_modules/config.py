@@ -59,6 +59,10 @@ class HSTUConfig:
 PRESETS = {
     "hstu": HSTUConfig(),
     "hstu-large": HSTUConfig(num_blocks=8, num_heads=2, attention_dim=25, linear_dim=25),
+    # the production shape: long histories, a wide model (GPU only)
+    "hstu-long": HSTUConfig(
+        num_blocks=8, num_heads=4, attention_dim=128, linear_dim=128, embedding_dim=512, max_seq_len=4096, batch_size=16,
+    ),
 }
 
 
