@@ -137,12 +137,12 @@ def test_every_tuning_configuration_matches_the_twin():
     from kernels.hstu_attention import triton_kernels
 
     tuned = (triton_kernels._forward, triton_kernels._backward_kv, triton_kernels._backward_q)
-    all_configs = [t.configs for t in tuned]
+    all_configs = [t.tuner.configs for t in tuned]
     try:
         for i, config in enumerate(triton_kernels.CONFIGS):
             for t in tuned:
-                t.configs = [config]
-                t.cache.clear()
+                t.tuner.configs = [config]
+                t.forget()
             max_seq_len = 300
             tensors, offsets, num_targets = case(i, [5, 0, 133, 1, 264, 270, 17] * 4, 2, 64, 64, max_seq_len, torch.bfloat16, True)
             upstream = torch.randn(tensors["v"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
@@ -154,5 +154,19 @@ def test_every_tuning_configuration_matches_the_twin():
                     assert close(got_grads[name], g, TOLERANCE[torch.bfloat16] * 4), (config, name)
     finally:
         for t, configs in zip(tuned, all_configs):
-            t.configs = configs
-            t.cache.clear()
+            t.tuner.configs = configs
+            t.forget()
+
+
+def test_later_launches_reuse_the_tuners_choice_and_give_the_same_result():
+    from kernels.hstu_attention import triton_kernels
+
+    triton_kernels._forward.forget()
+    tensors, offsets, _ = case(3, [7, 0, 20], 2, 16, 16, 24, torch.float32)
+    args = [tensors[n].detach() for n in ("q", "k", "v")] + [offsets, tensors["timestamps"]]
+    args += [tensors["position_bias"].detach(), tensors["time_bias"].detach(), 24]
+    first = triton_kernels.hstu_attention(*args)  # through the autotuner
+    (config,) = triton_kernels._forward.chosen.values()
+    assert config in triton_kernels._forward.tuner.configs
+    second = triton_kernels.hstu_attention(*args)  # the chosen configuration, launched directly
+    assert len(triton_kernels._forward.chosen) == 1 and torch.equal(first, second)

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotuned
-from ..launch import next_power_of_2
+from ..autotune import TunedLaunches, autotuned
+from ..launch import cdiv, next_power_of_2
 from .reference import TIME_BUCKET_LOG
 
 # blocks of query and key rows, warps and pipeline stages, tuned per head dims and length
@@ -205,10 +205,18 @@ def _backward_q_kernel(
     tl.store(dq_at, dq_acc.to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
-_forward = autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY)
-_backward_kv = autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY)
+_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
+_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
 # (adds into the biases' gradients: zeroed before each trial)
-_backward_q = autotuned(_backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY, reset_to_zero=["position_grad_ptr", "time_grad_ptr"])
+_backward_q = TunedLaunches(autotuned(
+    _backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY, reset_to_zero=["position_grad_ptr", "time_grad_ptr"]
+))
+
+
+def _grid(rows_block: str, programs: int, max_seq_len: int):
+    """The grid of a launch: blocks of rows_block rows over max_seq_len, one column per
+    sequence and head."""
+    return lambda meta: (cdiv(max_seq_len, meta[rows_block]), programs)
 
 
 def _launch_shape(q, v, offsets, max_seq_len):
@@ -226,11 +234,13 @@ def hstu_attention(
     heads, dqk, dv, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
     out = v.new_empty(v.shape)
     if out.numel() and programs:
-        _forward[lambda meta: (triton.cdiv(max_seq_len, meta["BLOCK_M"]), programs)](
-            q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets,
-            position_bias, time_bias, heads, dqk, dv, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len,
-            next_power_of_2(max_seq_len),
-            HAS_TARGETS=num_targets is not None, **dims,
+        length_class = next_power_of_2(max_seq_len)
+        constants = dict(HAS_TARGETS=num_targets is not None, **dims)
+        _forward(
+            _grid("BLOCK_M", programs, max_seq_len), (dqk, dv, length_class, q.dtype, v.dtype, *constants.values()),
+            (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
+             heads, dqk, dv, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class),
+            constants,
         )
     return out
 
@@ -249,14 +259,18 @@ def hstu_attention_backward(
     time_grad = torch.zeros(time_bias.shape, dtype=torch.float32, device=q.device)
     if q.shape[0] and programs:
         targets = num_targets if num_targets is not None else offsets
+        length_class = next_power_of_2(max_seq_len)
         common = dict(HAS_TARGETS=num_targets is not None, **dims)
-        sizes = (heads, dqk, dv, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
-        _backward_kv[lambda meta: (triton.cdiv(max_seq_len, meta["BLOCK_N"]), programs)](
-            q, k, v, grad, dk, dvv, offsets, timestamps, targets, position_bias, time_bias, *sizes, **common
+        sizes = (heads, dqk, dv, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class)
+        key = (dqk, dv, length_class, q.dtype, v.dtype, grad.dtype, *common.values())
+        _backward_kv(
+            _grid("BLOCK_N", programs, max_seq_len), key,
+            (q, k, v, grad, dk, dvv, offsets, timestamps, targets, position_bias, time_bias, *sizes), common,
         )
-        _backward_q[lambda meta: (triton.cdiv(max_seq_len, meta["BLOCK_M"]), programs)](
-            q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, position_grad, time_grad, *sizes,
-            BIAS_GRADS=bias_grads, **common,
+        _backward_q(
+            _grid("BLOCK_M", programs, max_seq_len), (*key, bias_grads),
+            (q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, position_grad, time_grad, *sizes),
+            dict(BIAS_GRADS=bias_grads, **common),
         )
     if not bias_grads:
         return dq, dk, dvv, None, None
