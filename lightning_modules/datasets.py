@@ -85,18 +85,19 @@ def fetch(name: str, cache_dir: str | Path | None = None) -> Path:
     return dest
 
 
-def locate(name: str, data_dir: str | Path) -> tuple[Path, bytes]:
-    """Finds a named set under data_dir (its zip, or the extracted folder) → (path, bytes)."""
+def locate(name: str, data_dir: str | Path, member: str | None = None) -> tuple[Path, bytes]:
+    """Finds a named set's ratings file (or another member of its archive) under data_dir
+    (in its zip, or the extracted folder) → (path, bytes)."""
     spec = MOVIELENS[name]
     root = Path(data_dir)
-    member = Path(spec.member)
+    member = Path(member or spec.member)
     for candidate in (root / member, root / member.name):
         if candidate.is_file():
             return candidate, candidate.read_bytes()
     archive = root / spec.archive
     if archive.is_file():
-        return archive, _read_member(archive, spec.member)
-    raise DataError(f"{root}: neither {spec.archive} nor {spec.member} found")
+        return archive, _read_member(archive, str(member))
+    raise DataError(f"{root}: neither {spec.archive} nor {member} found")
 
 
 def _read_member(archive: Path, member: str) -> bytes:
@@ -356,7 +357,8 @@ def prepare(
     min_length: int = 3,
     synthetic_users: int = 6040,
 ) -> dict:
-    """The whole step: read, clean, sequence, split, write Parquet and stats.json."""
+    """The whole step: read, clean, sequence, split, write Parquet (the splits, and the
+    items' genres where a MovieLens set has them: item_features.py) and stats.json."""
     interactions, source = load_interactions(dataset, data_dir, input, seed, synthetic_users)
     splits, stats = build_sequences(interactions, min_length)
     if stats["users"] == 0:
@@ -365,6 +367,8 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     for name, table in splits.items():
         pq.write_table(table, out / f"{name}.parquet")
-    stats = {"dataset": dataset, "source": source, **stats}
+    from .item_features import write_item_features  # (it reads the sets as this module finds them)
+
+    stats = {"dataset": dataset, "source": source, **stats, "items_with_features": write_item_features(dataset, out, data_dir)}
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     return stats

@@ -121,3 +121,54 @@ def test_shared_movielens_files(shared_dir, tmp_path):
     assert (small["rows_read"], small["users"], small["items"]) == (100836, 610, 9724)
     k100 = prepare("ml-100k", tmp_path / "k", data_dir=str(shared_dir / "datasets"))
     assert (k100["rows_read"], k100["users"], k100["items"]) == (100000, 943, 1682)
+
+
+def test_movie_genres_are_written_beside_the_splits_from_each_format(tmp_path):
+    ratings = "".join(f"1::{i}::4::{i}\n" for i in (1, 2, 3))
+    movies = "1::Toy Story (1995)::Animation|Children's|Comedy\n2::Heat (1995)::Action|Crime|Thriller\n3::Nothing (2000)::\n"
+    with zipfile.ZipFile(tmp_path / "ml-1m.zip", "w") as z:
+        z.writestr("ml-1m/ratings.dat", ratings)
+        z.writestr("ml-1m/movies.dat", movies.encode("latin-1"))
+    assert prepare("ml-1m", tmp_path / "a", data_dir=str(tmp_path))["items_with_features"] == 3
+    rows = pq.read_table(tmp_path / "a" / "items.parquet").to_pylist()
+    # ids number the sorted names: Action 0, Animation 1, Children's 2, Comedy 3, Crime 4, Thriller 5
+    assert rows == [
+        {"item_id": 1, "genres": ["Animation", "Children's", "Comedy"], "genre_ids": [1, 2, 3]},
+        {"item_id": 2, "genres": ["Action", "Crime", "Thriller"], "genre_ids": [0, 4, 5]},
+        {"item_id": 3, "genres": [], "genre_ids": []},
+    ]
+    csv_movies = 'movieId,title,genres\n7,"Comma, The (1999)",Drama|War\n8,Blank (2001),(no genres listed)\n'
+    with zipfile.ZipFile(tmp_path / "ml-20m.zip", "w") as z:
+        z.writestr("ml-20m/ratings.csv", "userId,movieId,rating,timestamp\n" + "".join(f"1,{i},4.0,{t}\n" for t, i in enumerate((7, 8, 7))))
+        z.writestr("ml-20m/movies.csv", csv_movies)
+    prepare("ml-20m", tmp_path / "b", data_dir=str(tmp_path))
+    assert pq.read_table(tmp_path / "b" / "items.parquet").column("genres").to_pylist() == [["Drama", "War"], []]
+    # a set given without its movies file has no side features, and no items.parquet
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "u.data").write_text("".join(f"3\t{i}\t4\t{i}\n" for i in range(4)))
+    assert prepare("ml-100k", tmp_path / "d", data_dir=str(tmp_path / "c"))["items_with_features"] == 0
+    assert not (tmp_path / "d" / "items.parquet").exists()
+
+
+@pytest.mark.parametrize("fmt,text,message", [
+    ("item", "1|Toy Story (1995)|01-Jan-1995||url|0|1\n", r"movies:1: expected 24 fields"),
+    ("item", "1|T|d||u|" + "|".join(["0"] * 18) + "|2\n", r"movies:1: genre flags must be 0 or 1"),
+    ("dat", "1::A::Drama\nx::B::Drama\n", r"movies:2: field 'movie_id': expected an integer, got 'x'"),
+    ("csv", "movieId,title\n1,A\n", r"movies:1: expected the header"),
+    ("csv", "movieId,title,genres\n1,A,Drama,extra\n", r"movies:2: expected 3 fields, got 4"),
+])
+def test_malformed_movie_files_name_the_line_and_field(fmt, text, message):
+    from lightning_modules.item_features import parse_movies
+
+    with pytest.raises(DataError, match=message):
+        parse_movies(text.encode(), fmt, "movies")
+
+
+def test_shared_movielens_genres(shared_dir, tmp_path):
+    k100 = prepare("ml-100k", tmp_path / "k", data_dir=str(shared_dir / "datasets"))
+    small = prepare("ml-latest-small", tmp_path / "s", data_dir=str(shared_dir / "datasets"))
+    assert (k100["items_with_features"], small["items_with_features"]) == (1682, 9742)
+    first = pq.read_table(tmp_path / "k" / "items.parquet").slice(0, 1).to_pylist()[0]
+    assert first["item_id"] == 1 and first["genres"] == ["Animation", "Children's", "Comedy"]
+    first = pq.read_table(tmp_path / "s" / "items.parquet").slice(0, 1).to_pylist()[0]
+    assert first["genres"] == ["Adventure", "Animation", "Children", "Comedy", "Fantasy"]
