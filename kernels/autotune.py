@@ -30,7 +30,7 @@ class TunedLaunches:
     """Launches of a kernel made by `autotuned`: the first launch of each key goes through
     Triton's autotuner, which tunes (or takes its one configuration) and launches; later
     ones launch the configuration it chose through launch.launch, which costs the host a
-    fraction of the autotuner's launch (about 250 us per launch on an H100's host)."""
+    fraction of the autotuner's launch (figures: benchmarks/train_throughput.md)."""
 
     def __init__(self, tuner):
         self.tuner, self.chosen = tuner, {}
