@@ -3,6 +3,7 @@ configurations; under TRITON_INTERPRET=1 (tests on a CPU), or with HSTU_AUTOTUNE
 on a GPU, where tuning every shape would compile every configuration), it runs one."""
 import os
 
+import torch
 import triton
 
 from .launch import launch
@@ -35,11 +36,10 @@ class TunedLaunches:
     def __init__(self, tuner):
         self.tuner, self.chosen = tuner, {}
 
-    def __call__(self, grid, key: tuple, args: tuple, constants: dict) -> None:
-        """grid: the launch grid from the configuration's parameters; key: every value the
-        choice may depend on (the tuner's key arguments, the tensors' dtypes, the
-        constants); args: the kernel's runtime parameters in order; constants: its
-        constexprs but the tuned ones, by name."""
+    def __call__(self, grid, args: tuple, constants: dict) -> None:
+        """grid: the launch grid from the configuration's parameters; args: the kernel's
+        runtime parameters in order; constants: its constexprs but the tuned ones, by name."""
+        key = self._key(args, constants)
         config = self.chosen.get(key)
         if config is None:
             self.tuner[grid](*args, **constants)
@@ -47,6 +47,16 @@ class TunedLaunches:
             return
         meta = config.all_kwargs()
         launch(self.tuner.fn, grid(meta), *args, **constants, **meta)
+
+    def _key(self, args: tuple, constants: dict) -> tuple:
+        """What the choice depends on: as the autotuner's key (the values of its key
+        arguments, every tensor's dtype), and the constants."""
+        named = dict(zip(self.tuner.arg_names, args))
+        return (
+            tuple(named[name] for name in self.tuner.keys),
+            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+            tuple(constants.items()),
+        )
 
     def forget(self) -> None:
         """Drops every choice (the autotuner's too): the next launch of each key tunes again."""

@@ -63,10 +63,15 @@ class DataError(ValueError):
 
 
 # ---- fetching -----------------------------------------------------------------------------
+def default_cache_dir() -> Path:
+    """Where fetched archives are kept: $HSTU_CACHE_DIR, else ~/.cache/hstu."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hstu")
+
+
 def fetch(name: str, cache_dir: str | Path | None = None) -> Path:
     """The verified archive of a named MovieLens set, downloaded into the cache if needed."""
     spec = MOVIELENS[name]
-    cache = Path(cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hstu")
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     dest = cache / spec.archive
     algorithm, expected = spec.checksum

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .datasets import DataError, fetch, locate
+from .datasets import DataError, default_cache_dir, locate
 
 ITEMS_FILE = "items.parquet"
 ML100K_GENRES = (
@@ -84,13 +84,14 @@ def items_table(genres: dict[int, list[str]]) -> pa.Table:
 
 def write_item_features(dataset: str, out_dir: str | Path, data_dir: str | None = None) -> int:
     """Writes out_dir/items.parquet for a MovieLens set whose movies file is found (beside
-    its ratings under data_dir, or in the fetched archive) → the number of items; 0, and
+    its ratings under data_dir, or in the archive prepare fetched) → the number of items; 0, and
     nothing written, where the set has no movies file there."""
     if dataset not in MOVIES:
         return 0
     member, fmt = MOVIES[dataset]
     try:
-        path, data = locate(dataset, data_dir or fetch(dataset).parent, member)
+        # the ratings were read from data_dir or from the archive fetch verified in the cache
+        path, data = locate(dataset, data_dir or default_cache_dir(), member)
     except DataError:
         return 0  # the ratings alone (a trimmed copy): no side features
     where = str(path) if path.suffix != ".zip" else f"{path}!{member}"

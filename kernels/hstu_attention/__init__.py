@@ -15,6 +15,8 @@ __all__ = ["hstu_attention", "TIME_BUCKET_LOG", "allowed_pairs", "time_buckets"]
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len):
+        # saved as the kernels read them, so that the backward makes no copy of its own
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ctx.save_for_backward(q, k, v, offsets, timestamps, position_bias, time_bias, num_targets)
         ctx.max_seq_len, ctx.context_len = max_seq_len, context_len
         return triton_kernels.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)
@@ -51,6 +53,5 @@ def hstu_attention(
     if num_targets is not None and num_targets.shape != (offsets.numel() - 1,):
         raise ValueError(f"num_targets must have one entry per sequence ({offsets.numel() - 1}), got {tuple(num_targets.shape)}")
     if triton:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels index rows densely
         return _Attention.apply(q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len)
     return reference.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)

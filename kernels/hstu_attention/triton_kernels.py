@@ -237,7 +237,7 @@ def hstu_attention(
         length_class = next_power_of_2(max_seq_len)
         constants = dict(HAS_TARGETS=num_targets is not None, **dims)
         _forward(
-            _grid("BLOCK_M", programs, max_seq_len), (dqk, dv, length_class, q.dtype, v.dtype, *constants.values()),
+            _grid("BLOCK_M", programs, max_seq_len),
             (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
              heads, dqk, dv, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class),
             constants,
@@ -262,13 +262,12 @@ def hstu_attention_backward(
         length_class = next_power_of_2(max_seq_len)
         common = dict(HAS_TARGETS=num_targets is not None, **dims)
         sizes = (heads, dqk, dv, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class)
-        key = (dqk, dv, length_class, q.dtype, v.dtype, grad.dtype, *common.values())
         _backward_kv(
-            _grid("BLOCK_N", programs, max_seq_len), key,
+            _grid("BLOCK_N", programs, max_seq_len),
             (q, k, v, grad, dk, dvv, offsets, timestamps, targets, position_bias, time_bias, *sizes), common,
         )
         _backward_q(
-            _grid("BLOCK_M", programs, max_seq_len), (*key, bias_grads),
+            _grid("BLOCK_M", programs, max_seq_len),
             (q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, position_grad, time_grad, *sizes),
             dict(BIAS_GRADS=bias_grads, **common),
         )
