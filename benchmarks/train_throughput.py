@@ -142,7 +142,7 @@ def run(device: str, preset_name: str, users: int, steps: int, warmup: int, batc
         "num_negatives": config.num_negatives, "users": users, "timed_steps": timer.steps, "seconds": timer.elapsed,
         "samples_per_s": timer.samples / timer.elapsed, "positions_per_s": timer.positions / timer.elapsed,
         "ms_per_step": 1000 * timer.elapsed / timer.steps, "TFLOPs": tflops, "MFU": tflops / peak if peak else None,
-        "embedding_rows": module.item_table.stats().size, "torch": torch.__version__,
+        "embedding_rows": module.items.item_table.stats().size, "torch": torch.__version__,
     }
 
 

@@ -148,10 +148,10 @@ def baselines_step(data_dir: str, out_dir: str, baselines: str = "most-popular",
 def dump_step(train_dir: str, out_dir: str, tracking_uri: str = "", run_id: str = "") -> str:
     """The trained model re-dumped as one verified, single-shard model directory (what
     evaluation and serving load), whatever world size trained it."""
-    model, table, info = model_files.load_model(Path(train_dir) / "model")
-    path = model_files.save(out_dir, model, table, metadata=info["metadata"])
+    model, items, info = model_files.load_model(Path(train_dir) / "model")
+    path = model_files.save(out_dir, model, items, metadata=info["metadata"])
     if _tracked(tracking_uri, run_id):
-        rows = table.stats().size
+        rows = items.item_table.stats().size
         tracking.log_metrics(tracking_uri, run_id, {"embedding_rows": rows}, prefix="dump/")
     return str(path)
 
@@ -163,9 +163,9 @@ def evaluate_step(
     """Full-ranking test metrics of the model and the baselines, on the same users →
     metrics.json: {"model": ..., "sasrec": ..., "most_popular": ...}. baselines: a
     comma-separated list of BASELINES; SASRec's trained model is <baselines_dir>/sasrec/model."""
-    model, table, _ = model_files.load_model(model_dir)
+    model, items, _ = model_files.load_model(model_dir)
     catalog = catalog_of(data_dir)
-    rankers = {"model": HSTURanker(model, table, catalog)}
+    rankers = {"model": HSTURanker(model, items, catalog)}
     for name in parse_baselines(baselines):
         if name == "sasrec":
             sasrec, sasrec_catalog, _ = model_files.load_sasrec(Path(baselines_dir) / "sasrec" / "model")

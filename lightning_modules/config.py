@@ -3,6 +3,9 @@ from dataclasses import asdict, dataclass, replace
 
 from kernels.dynamic_embedding import EmbeddingConfig, OptimizerConfig
 
+GENRE_SEED_OFFSET = 1_000_003
+GENRE_CAPACITY, GENRE_MAX_CAPACITY = 1 << 10, 1 << 16
+
 
 @dataclass(frozen=True)
 class HSTUConfig:
@@ -31,6 +34,9 @@ class HSTUConfig:
     embedding_optimizer: str = "adam"
     embedding_capacity: int = 1 << 14
     embedding_max_capacity: int = 1 << 22
+    # item side features: each item's genres (items.parquet, where the data has them),
+    # their rows' mean added to the item's row, from a second table of the same collection
+    item_features: bool = False
 
     def embedding_config(self) -> EmbeddingConfig:
         return EmbeddingConfig(
@@ -43,6 +49,13 @@ class HSTUConfig:
             max_capacity=self.embedding_max_capacity,
         )
 
+    def genre_embedding_config(self) -> EmbeddingConfig:
+        """The genre table: the item table's layout and optimizer (so the two share launches),
+        its own seed (genre k and item k start from different rows), a small capacity."""
+        return replace(
+            self.embedding_config(), seed=self.seed + GENRE_SEED_OFFSET, capacity=GENRE_CAPACITY, max_capacity=GENRE_MAX_CAPACITY
+        )
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -50,6 +63,7 @@ class HSTUConfig:
     def from_dict(d: dict) -> "HSTUConfig":
         d = dict(d)
         d["betas"] = tuple(d["betas"])
+        d.setdefault("item_features", False)  # configs saved before the field existed
         return HSTUConfig(**d)
 
     def override(self, **changes) -> "HSTUConfig":

@@ -65,15 +65,15 @@ class Ranker(Protocol):
 
 
 class HSTURanker:
-    """The HSTU model over its item table: cosine of the last position's output and each
-    item's row. The catalog's rows are read from the table once (a collective lookup in a
-    process group: every rank builds its ranker), and histories index into them."""
+    """The HSTU model over its item embeddings (item_embedding.ItemEmbedding): cosine of the
+    last position's output and each item's embedding. The catalog's embeddings are read
+    once (a collective lookup in a process group: every rank builds its ranker), and
+    histories index into them."""
 
-    def __init__(self, model, item_table, catalog: torch.Tensor, device: torch.device | str = "cpu"):
+    def __init__(self, model, items, catalog: torch.Tensor, device: torch.device | str = "cpu"):
         self.model, self.catalog, self.device = model, catalog, torch.device(device)
         self.max_seq_len = model.config.max_seq_len
-        with torch.no_grad():
-            self.rows = item_table.lookup(catalog.to(self.device), train=False)  # (M, D)
+        self.rows = items.embed(catalog.to(self.device))  # (M, D)
         self.item_emb = F.normalize(self.rows, dim=-1)
 
     @torch.no_grad()

@@ -56,7 +56,7 @@ def export(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, mod
 @dataclass
 class Recommender:
     model: torch.nn.Module
-    item_table: object
+    items: object  # item_embedding.ItemEmbedding
     item_ids: torch.Tensor  # (M,) sorted candidates
     item_emb: torch.Tensor  # (M, D) normalized
     info: dict
@@ -67,11 +67,10 @@ class Recommender:
         info = read_format_json(path / "export.json", FORMAT, VERSION, f"{path}: not an exported model (no export.json)")
         if file_digest(path / "items.safetensors") != info["items_sha256"]:
             raise DumpError(f"{path / 'items.safetensors'}: checksum mismatch (corrupted)")
-        model, table, _ = model_files.load_model(path / "model", device)
+        model, items, _ = model_files.load_model(path / "model", device)
         item_ids = load_file(path / "items.safetensors")["item_ids"].to(device)
-        with torch.no_grad():
-            item_emb = F.normalize(table.lookup(item_ids, train=False), dim=-1)
-        return Recommender(model, table, item_ids, item_emb, info)
+        item_emb = F.normalize(items.embed(item_ids), dim=-1)
+        return Recommender(model, items, item_ids, item_emb, info)
 
     @torch.no_grad()
     def recommend(
@@ -85,7 +84,7 @@ class Recommender:
         n = ids.numel()
         scores = torch.zeros(len(self.item_ids), device=device)
         if n:
-            emb = self.item_table.lookup(ids.to(device), train=False)
+            emb = self.items.embed(ids.to(device))
             out = self.model(emb, ts.to(device), torch.tensor([0, n], device=device))
             scores = self.item_emb @ out[n - 1]
         if exclude_history and len(history):  # the whole history, not only the window the model read

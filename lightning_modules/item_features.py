@@ -6,13 +6,20 @@ in every run on the same file); a movie listed without genres has an empty list.
 ml-100k `u.item` (19 genre flags, named as its `u.genre`), ml-1m `movies.dat`
 (`id::title::A|B`), ml-latest-small and ml-20m `movies.csv` (`movieId,title,genres`,
 "(no genres listed)" meaning none).
+
+`ItemFeatures` is the model's view of that file: each item's genre ids as a jagged table
+on a device, and `bags(ids)`, the genre bags of any batch of item ids.
 """
 import csv
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
+
+from kernels.jagged import offsets_from_lengths
 
 from .datasets import DataError, default_cache_dir, locate
 
@@ -98,3 +105,65 @@ def write_item_features(dataset: str, out_dir: str | Path, data_dir: str | None 
     table = items_table(parse_movies(data, fmt, where))
     pq.write_table(table, Path(out_dir) / ITEMS_FILE)
     return table.num_rows
+
+
+@dataclass
+class ItemFeatures:
+    """Items' genre ids, jagged: item item_ids[i] has genre_ids[offsets[i]:offsets[i + 1]];
+    item_ids sorted and distinct. Items not listed have no genres."""
+
+    item_ids: torch.Tensor  # (M,) int64
+    offsets: torch.Tensor  # (M + 1,) int64
+    genre_ids: torch.Tensor  # (offsets[-1],) int64
+
+    @staticmethod
+    def read(data_dir: str | Path) -> "ItemFeatures | None":
+        """From <data_dir>/items.parquet; None where prepare wrote none (no movies file)."""
+        path = Path(data_dir) / ITEMS_FILE
+        if not path.is_file():
+            return None
+        table = pq.read_table(path, columns=["item_id", "genre_ids"])
+        genres = table.column("genre_ids").combine_chunks()
+        return ItemFeatures.from_tensors({
+            "item_ids": torch.from_numpy(table.column("item_id").to_numpy().copy()),
+            "offsets": torch.from_numpy(genres.offsets.to_numpy().astype("int64")),
+            "genre_ids": torch.from_numpy(genres.values.to_numpy().copy()),
+        }, str(path))
+
+    @staticmethod
+    def from_tensors(t: dict[str, torch.Tensor], where: str) -> "ItemFeatures":
+        """From as_tensors()' dict, checked (errors name `where`)."""
+        f = ItemFeatures(t["item_ids"].to(torch.int64), t["offsets"].to(torch.int64), t["genre_ids"].to(torch.int64))
+        ids, off = f.item_ids, f.offsets
+        if off.numel() != ids.numel() + 1 or off[0] != 0 or off[-1] != f.genre_ids.numel() or bool((off[1:] < off[:-1]).any()):
+            raise DataError(f"{where}: genre offsets do not describe {ids.numel()} items")
+        if bool((ids[1:] <= ids[:-1]).any()):
+            raise DataError(f"{where}: field 'item_id': ids must be sorted and distinct")
+        if bool((f.genre_ids < 0).any()):
+            raise DataError(f"{where}: field 'genre_ids': ids must be >= 0")
+        return f
+
+    def as_tensors(self) -> dict[str, torch.Tensor]:
+        return {"item_ids": self.item_ids, "offsets": self.offsets, "genre_ids": self.genre_ids}
+
+    def to(self, device: torch.device | str) -> "ItemFeatures":
+        return ItemFeatures(*(t.to(device) for t in (self.item_ids, self.offsets, self.genre_ids)))
+
+    @property
+    def num_genres(self) -> int:
+        return int(self.genre_ids.max()) + 1 if self.genre_ids.numel() else 0
+
+    def bags(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Genre bags of item ids (N,) on this table's device → (genre ids of every bag one
+        after the other, bag offsets (N + 1,)); an unknown item's bag is empty."""
+        if self.item_ids.numel() == 0:
+            return self.genre_ids[:0], torch.zeros(ids.numel() + 1, dtype=torch.int64, device=ids.device)
+        pos = torch.searchsorted(self.item_ids, ids).clamp(max=self.item_ids.numel() - 1)
+        found = self.item_ids[pos] == ids
+        starts = self.offsets[pos]
+        lengths = torch.where(found, self.offsets[pos + 1] - starts, 0)
+        offsets = offsets_from_lengths(lengths)
+        total = int(offsets[-1])  # the bags' size: a host read
+        # the k-th genre of bag b is genre_ids[starts[b] + k]
+        shift = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=total)
+        return self.genre_ids[shift + torch.arange(total, device=ids.device)], offsets

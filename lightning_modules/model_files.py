@@ -2,7 +2,9 @@
 
     model.json            written last: format, config, sha256 of dense weights
     dense.safetensors     HSTU weights
-    embeddings/           the item table's dump (kernels.dynamic_embedding.dump)
+    embeddings/           the item table's dump (kernels.dynamic_embedding.dump); with
+                          item features, the genre table's in embeddings/genre/
+    item_features.safetensors   with item features: each item's genre ids (ItemFeatures)
 
 The SASRec baseline's directory holds its weights (its item embedding among them) and
 the catalog its item indices refer to, `items.safetensors`, under format "sasrec-model".
@@ -17,46 +19,50 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.dynamic_embedding import DumpError, ShardedDynamicEmbedding, dump, load, read_manifest
+from kernels.dynamic_embedding import DumpError, read_manifest
 from kernels.dynamic_embedding.dump import barrier, read_format_json
 from kernels.files import file_digest, write_json_atomic
 
 from .config import HSTUConfig
 from .hstu import HSTU
+from .item_embedding import GENRE, ItemEmbedding, dump_path
+from .item_features import ItemFeatures
 from .sasrec import SASRec, SASRecConfig
 
 FORMAT = "hstu-model"
 SASREC_FORMAT = "sasrec-model"
 VERSION = 1
+FEATURES_FILE = "item_features.safetensors"
 
 
-def save(path: str | Path, model: HSTU, table: ShardedDynamicEmbedding, metadata: dict | None = None) -> Path:
-    """Collective over the table's ranks; rank 0 writes the dense part and commits."""
+def save(path: str | Path, model: HSTU, items: ItemEmbedding, metadata: dict | None = None) -> Path:
+    """Collective over the tables' ranks; rank 0 writes the dense part and commits."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.partial")
-    world, rank = table.world_size, table.rank
+    world, rank, group = items.tables.world_size, items.tables.rank, items.tables.group
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    barrier(world, table.group)
-    dump(table, tmp / "embeddings", metadata=metadata)
+    barrier(world, group)
+    items.dump(tmp / "embeddings", metadata=metadata)
     if rank == 0:
         dense = tmp / "dense.safetensors"
         save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, dense)
-        write_json_atomic(
-            tmp / "model.json",
-            {
-                "format": FORMAT,
-                "version": VERSION,
-                "config": model.config.to_dict(),
-                "dense_sha256": file_digest(dense),
-                "metadata": metadata or {},
-            },
-        )
+        info = {
+            "format": FORMAT,
+            "version": VERSION,
+            "config": model.config.to_dict(),
+            "dense_sha256": file_digest(dense),
+            "metadata": metadata or {},
+        }
+        if items.features is not None:
+            save_file({k: v.cpu().contiguous() for k, v in items.features.as_tensors().items()}, tmp / FEATURES_FILE)
+            info["item_features_sha256"] = file_digest(tmp / FEATURES_FILE)
+        write_json_atomic(tmp / "model.json", info)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-    barrier(world, table.group)
+    barrier(world, group)
     return path
 
 
@@ -68,22 +74,30 @@ def read_info(path: str | Path) -> dict:
     if not dense.is_file() or file_digest(dense) != info["dense_sha256"]:
         raise DumpError(f"{dense}: missing or checksum mismatch (corrupted)")
     read_manifest(path / "embeddings")
+    if "item_features_sha256" in info:
+        features = path / FEATURES_FILE
+        if not features.is_file() or file_digest(features) != info["item_features_sha256"]:
+            raise DumpError(f"{features}: missing or checksum mismatch (corrupted)")
+        read_manifest(dump_path(path / "embeddings", GENRE))
     return info
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[HSTU, ShardedDynamicEmbedding, dict]:
-    """(model in eval mode, item table, model.json) from a verified model directory.
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[HSTU, ItemEmbedding, dict]:
+    """(model in eval mode, its item embeddings, model.json) from a verified model directory.
 
-    The table takes the keys this process owns: all of them without a process group."""
+    The tables take the keys this process owns: all of them without a process group."""
     path = Path(path)
     info = read_info(path)
     config = HSTUConfig.from_dict(info["config"])
     model = HSTU(config)
     model.load_state_dict(load_file(path / "dense.safetensors"))
     model.to(device).eval()
-    table = ShardedDynamicEmbedding(config.embedding_config(), device)
-    load(table, path / "embeddings")
-    return model, table, info
+    features = None
+    if "item_features_sha256" in info:
+        features = ItemFeatures.from_tensors(load_file(path / FEATURES_FILE), str(path / FEATURES_FILE))
+    items = ItemEmbedding(config, device, features)
+    items.load(path / "embeddings")
+    return model, items, info
 
 
 def save_sasrec(path: str | Path, model: SASRec, catalog: torch.Tensor, metadata: dict | None = None) -> Path:

@@ -1,10 +1,11 @@
 """The LightningModules: HSTU, and the SASRec baseline trained on the same batches.
 
-HSTU: dense weights under DDP, item rows in a sharded dynamic table. Manual optimization:
-each step looks up the batch's items and the step's negatives in the table, runs the
-model, back-propagates once (DDP all-reduces dense gradients), steps AdamW on the dense
-weights, and hands the embedding gradients to the table's fused sparse optimizer (which
-routes them to the ranks owning the rows).
+HSTU: dense weights under DDP, item rows in a sharded dynamic table (with item features,
+a genre table beside it: item_embedding.py). Manual optimization: each step embeds the
+batch's items and the step's negatives, runs the model, back-propagates once (DDP
+all-reduces dense gradients), steps AdamW on the dense weights, and hands the embedding
+gradients to the tables' fused sparse optimizers (which route them to the ranks owning
+the rows).
 
 Both offer `rankers(catalog)`, what validation scores (callbacks.Validation).
 """
@@ -14,12 +15,12 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from kernels.dynamic_embedding import ShardedDynamicEmbedding, dump, load
-
 from .config import HSTUConfig
 from .evaluate import HSTURanker, SASRecRanker
 from .data import padded
 from .hstu import HSTU, valid_mask
+from .item_embedding import ItemEmbedding
+from .item_features import ItemFeatures
 from .losses import catalog_softmax_loss, sampled_softmax_loss
 from .sasrec import SASRec, SASRecConfig, bce_loss, catalog_indices, negatives_outside_history
 
@@ -33,24 +34,29 @@ def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
 
 
 class HSTULightningModule(L.LightningModule):
-    def __init__(self, config: HSTUConfig, catalog: torch.Tensor, checkpoint_dir: str | Path | None = None):
+    def __init__(
+        self, config: HSTUConfig, catalog: torch.Tensor, checkpoint_dir: str | Path | None = None,
+        features: ItemFeatures | None = None,
+    ):
+        """features: the items' genres, used where config.item_features is set."""
         super().__init__()
         self.automatic_optimization = False
         self.config = config
         self.model = HSTU(config)
         self.register_buffer("catalog", catalog.to(torch.int64), persistent=False)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.item_table: ShardedDynamicEmbedding | None = None
+        self.features = features if config.item_features else None
+        self.items: ItemEmbedding | None = None
         self._last_step_end: float | None = None
 
     def setup(self, stage: str) -> None:
         # after the process group exists, so the table knows its rank and world size
-        if self.item_table is None:
-            self.item_table = self._new_table()
+        if self.items is None:
+            self.items = self._new_items()
 
-    def _new_table(self) -> ShardedDynamicEmbedding:
+    def _new_items(self) -> ItemEmbedding:
         # the strategy's device: the module itself may not have moved there yet
-        return ShardedDynamicEmbedding(self.config.embedding_config(), self.trainer.strategy.root_device)
+        return ItemEmbedding(self.config, self.trainer.strategy.root_device, self.features)
 
     def configure_optimizers(self):
         c = self.config
@@ -74,7 +80,8 @@ class HSTULightningModule(L.LightningModule):
         ids, sources = batch["item_ids"], batch["input_rows"]
         negatives = self.sample_negatives()
         all_ids = torch.cat([ids, negatives])
-        rows = self.item_table.lookup(all_ids).requires_grad_(True)  # leaf: gradients land in rows.grad
+        looked = self.items.lookup(all_ids, train=True)  # leaves: gradients land in their .grad
+        rows = looked.embeddings
         seq_rows, neg_rows = rows[: ids.numel()], rows[ids.numel() :]
         out = self.model(seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])  # (targets, D)
         targets = sources + 1
@@ -90,7 +97,7 @@ class HSTULightningModule(L.LightningModule):
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
-        self.item_table.apply_gradients(all_ids, rows.grad)
+        self.items.apply_gradients(looked)
 
         B = len(batch["lengths"])
         self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=B)
@@ -104,21 +111,22 @@ class HSTULightningModule(L.LightningModule):
             self.log("train/samples_per_s", global_batch / (now - self._last_step_end), on_step=True, batch_size=batch_size)
         self._last_step_end = now
         if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
-            for name, value in self.item_table.stats().as_metrics("emb/").items():
+            for name, value in self.items.metrics("emb/").items():
                 self.log(name, value, on_step=True, rank_zero_only=True, batch_size=batch_size)
 
     def on_train_epoch_start(self) -> None:
         self._last_step_end = None  # the first step's time includes data start-up
-        self.item_table.local.epoch = self.current_epoch  # the epoch_* eviction policies
+        self.items.set_epoch(self.current_epoch)  # the epoch_* eviction policies
 
     def rankers(self, catalog: torch.Tensor) -> dict:
-        """What validation scores: the model over its item table (collective: every rank
-        reads the catalog's rows)."""
-        return {"model": HSTURanker(self.model, self.item_table, catalog, self.device)}
+        """What validation scores: the model over its item embeddings (collective: every
+        rank reads the catalog's rows)."""
+        return {"model": HSTURanker(self.model, self.items, catalog, self.device)}
 
-    # ---- checkpoints: Lightning saves dense state; the table is dumped beside it ----------
+    # ---- checkpoints: Lightning saves dense state; the tables are dumped beside it ---------
     def dump_name(self) -> str:
-        """The embedding dump the next checkpoint writes beside itself."""
+        """The embedding dump the next checkpoint writes beside itself (item_embedding.py
+        says where each table goes in it)."""
         return f"embeddings-step-{self.global_step:08d}"
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -126,12 +134,12 @@ class HSTULightningModule(L.LightningModule):
             raise RuntimeError("HSTULightningModule needs checkpoint_dir to save checkpoints")
         name = self.dump_name()
         # replace: a crash after this dump but before its checkpoint left one behind
-        dump(self.item_table, self.checkpoint_dir / name, metadata={"global_step": self.global_step}, replace=True)
+        self.items.dump(self.checkpoint_dir / name, metadata={"global_step": self.global_step}, replace=True)
         checkpoint[EMBEDDING_DUMP_KEY] = name
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.item_table = self._new_table()
-        load(self.item_table, self.checkpoint_dir / checkpoint[EMBEDDING_DUMP_KEY])
+        self.items = self._new_items()
+        self.items.load(self.checkpoint_dir / checkpoint[EMBEDDING_DUMP_KEY])
 
 
 class SASRecLightningModule(L.LightningModule):

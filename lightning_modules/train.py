@@ -21,6 +21,7 @@ from . import model_files
 from .callbacks import EpochCheckpoint, Validation, latest_checkpoint
 from .config import PRESETS, preset
 from .data import SequenceDataModule
+from .item_features import ITEMS_FILE, ItemFeatures
 from .module import HSTULightningModule, SASRecLightningModule
 from .sasrec import SASRecConfig
 
@@ -54,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float)
     p.add_argument("--dropout", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--item-features", action=argparse.BooleanOptionalAction, default=None,
+                   help="pool each item's genres (items.parquet) into its embedding (default: the preset's setting)")
     p.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
     p.add_argument("--precision", default="auto",
                    help="Lightning precision: auto is bf16-mixed (bf16 autocast) on GPUs and 32-true on CPUs")
@@ -72,7 +75,7 @@ def model_config(args, catalog_size: int):
     given = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "lr": args.lr, "dropout": args.dropout, "seed": args.seed}
     if args.model == "sasrec":
         return SASRecConfig(num_items=catalog_size, **{k: v for k, v in given.items() if v is not None})
-    return preset(args.preset).override(num_negatives=args.num_negatives, **given)
+    return preset(args.preset).override(num_negatives=args.num_negatives, item_features=args.item_features, **given)
 
 
 def main(argv=None) -> Path:
@@ -98,7 +101,10 @@ def main(argv=None) -> Path:
         random_windows=getattr(config, "random_windows", False),
     )
     if args.model == "hstu":
-        module = HSTULightningModule(config, catalog, checkpoint_dir=ckpt_dir)
+        features = ItemFeatures.read(args.data_dir) if config.item_features else None
+        if config.item_features and features is None and int(os.environ.get("RANK", "0")) == 0:
+            print(f"no {ITEMS_FILE} in {args.data_dir}: training without item features", flush=True)
+        module = HSTULightningModule(config, catalog, checkpoint_dir=ckpt_dir, features=features)
     else:
         module = SASRecLightningModule(config, catalog)
 
@@ -142,7 +148,7 @@ def main(argv=None) -> Path:
     metadata = {"global_step": trainer.global_step, "best_checkpoint": best.name if best else None,
                 f"best_val_{MONITOR}": validation.best_value, "seed": config.seed}
     if args.model == "hstu":
-        return model_files.save(out / "model", module.model, module.item_table, metadata=metadata)
+        return model_files.save(out / "model", module.model, module.items, metadata=metadata)
     if trainer.is_global_zero:
         model_files.save_sasrec(out / "model", module.model, catalog, metadata=metadata)
     if world > 1:

@@ -159,5 +159,5 @@ def test_training_step_on_batches_with_and_without_targets():
     weights = [p.detach().clone() for p in module.model.parameters()]
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     assert trainer.global_step == 3
-    assert module.item_table.stats().size > 2  # items and negatives got rows
+    assert module.items.item_table.stats().size > 2  # items and negatives got rows
     assert any(not torch.equal(w, p) for w, p in zip(weights, module.model.parameters()))

@@ -1,10 +1,13 @@
 """Distributed training through the CLI: 2 processes on gloo, resume, dump to one shard."""
 import json
 
+import pyarrow.parquet as pq
 import torch
 
 from kernels.dynamic_embedding import read_manifest
 from lightning_modules import model_files
+from lightning_modules.data import Sequences
+from lightning_modules.item_features import ITEMS_FILE, items_table
 from pipelines.cli import main as hstu
 
 TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
@@ -17,15 +20,21 @@ def trained_steps(train_dir) -> int:
 def test_two_process_training_resumes_and_dumps_to_one_shard(tmp_path, capfd):
     data, train = tmp_path / "data", tmp_path / "train"
     hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "40", "--out", str(data)])
-    hstu(["train", "--data-dir", str(data), "--out", str(train), "--workers", "2", "--epochs", "1", "--train-args", TINY])
+    # genres for the synthetic items (item i: i % 3 of them), so that the genre table is
+    # sharded, dumped and resumed as well
+    items = Sequences(data / "train.parquet", 1).all_items().tolist()
+    pq.write_table(items_table({i: [f"g{(i + k) % 5}" for k in range(i % 3)] for i in items}), data / ITEMS_FILE)
+    args = TINY + " --item-features"
+    hstu(["train", "--data-dir", str(data), "--out", str(train), "--workers", "2", "--epochs", "1", "--train-args", args])
     ckpts = sorted(p.name for p in (train / "checkpoints").glob("epoch=*.ckpt"))
     assert ckpts == ["epoch=0000.ckpt"]
     first = read_manifest(train / "model" / "embeddings")
     assert first["world_size"] == 2 and first["total_rows"] > 0
+    assert read_manifest(train / "model" / "embeddings" / "genre")["total_rows"] == 5
     steps_one_epoch = trained_steps(train)
 
     capfd.readouterr()
-    hstu(["train", "--data-dir", str(data), "--out", str(train), "--workers", "2", "--epochs", "2", "--train-args", TINY])
+    hstu(["train", "--data-dir", str(data), "--out", str(train), "--workers", "2", "--epochs", "2", "--train-args", args])
     captured = capfd.readouterr()
     assert "resuming from" in captured.out + captured.err
     again = read_manifest(train / "model" / "embeddings")
@@ -38,7 +47,8 @@ def test_two_process_training_resumes_and_dumps_to_one_shard(tmp_path, capfd):
     assert single["world_size"] == 1 and single["total_rows"] == again["total_rows"]
     m2, t2, _ = model_files.load_model(train / "model")
     m1, t1, _ = model_files.load_model(out)
-    ids = torch.cat([t1.local.export_rows()[0], torch.tensor([123456789])])
-    assert torch.equal(t1.lookup(ids, train=False), t2.lookup(ids, train=False))
+    assert read_manifest(out / "embeddings" / "genre")["world_size"] == 1
+    ids = torch.cat([t1.item_table.local.export_rows()[0], torch.tensor([123456789])])
+    assert t1.features is not None and torch.equal(t1.embed(ids), t2.embed(ids))
     for a, b in zip(m1.state_dict().values(), m2.state_dict().values()):
         assert torch.equal(a, b)

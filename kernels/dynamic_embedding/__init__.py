@@ -5,10 +5,12 @@ from .dump import DumpError, PendingDump, dump, dump_async, load, read_manifest
 from .embedding import DynamicEmbedding, EmbeddingConfig, ShardedDynamicEmbedding, TableStats
 from .hashing import EMPTY_KEY, shard_of
 from .optimizers import OptimizerConfig
+from .sharded_collection import ShardedDynamicEmbeddingCollection
 from .table import MISSING, ReferenceHashTable
 
 __all__ = [
     "DumpError", "PendingDump", "dump", "dump_async", "load", "read_manifest",
-    "DynamicEmbedding", "DynamicEmbeddingCollection", "EmbeddingConfig", "ShardedDynamicEmbedding", "TableStats",
+    "DynamicEmbedding", "DynamicEmbeddingCollection", "EmbeddingConfig", "ShardedDynamicEmbedding",
+    "ShardedDynamicEmbeddingCollection", "TableStats",
     "EMPTY_KEY", "shard_of", "OptimizerConfig", "MISSING", "ReferenceHashTable",
 ]

@@ -495,12 +495,13 @@ class ShardedDynamicEmbedding:
     own ids; ids may repeat within and across ranks. With one rank no communication happens.
     """
 
-    def __init__(self, config: EmbeddingConfig, device: torch.device | str = "cpu", group=None):
+    def __init__(self, config: EmbeddingConfig, device: torch.device | str = "cpu", group=None, local: "DynamicEmbedding | None" = None):
+        """`local`: this rank's table when it exists already (a collection's), else a new one."""
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
-        self.local = DynamicEmbedding(config, device)
+        self.local = local if local is not None else DynamicEmbedding(config, device)
 
     @property
     def config(self) -> EmbeddingConfig:
