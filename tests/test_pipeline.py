@@ -17,6 +17,8 @@ from pipelines.cli import main as hstu
 from pipelines.launcher import replica_envs
 
 TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
+# one test process runs this file: its fixtures train whole pipelines once per process
+pytestmark = pytest.mark.xdist_group("pipeline")
 
 
 @pytest.fixture(scope="module")
