@@ -176,3 +176,68 @@ def test_hot_ids_gradients_are_summed_across_programs():
             alone[n].apply_gradients(ids[n], grads[n])
     for n in names:
         assert_same_rows(coll[n], alone[n])
+
+
+SGD = OptimizerConfig("sgd", lr=0.5)
+
+
+def shared_table(modes: dict[str, str]):
+    """A collection whose features (name -> mode) all read one grouped table "movies",
+    beside a second table so that the group has two members, and the table alone."""
+    from kernels.dynamic_embedding.collection import FeatureConfig
+
+    kw = dict(dim=4, optimizer=SGD, bucket_size=8, backend="triton", capacity=16, max_capacity=256)
+    cfg = {"movies": EmbeddingConfig(**kw), "users": EmbeddingConfig(**kw, seed=9)}
+    features = {n: FeatureConfig("movies", m) for n, m in modes.items()} | {"user": FeatureConfig("users")}
+    coll = DynamicEmbeddingCollection(cfg, DEVICE, features=features)
+    assert [sorted(g.names) for g in coll.groups] == [["movies", "users"]]
+    return coll, DynamicEmbedding(cfg["movies"], DEVICE)
+
+
+def test_features_sharing_a_table_read_and_train_it_as_one_id_space():
+    coll, alone = shared_table({"watched": "read_write", "liked": "read_write"})
+    ids = {"watched": torch.tensor([1, 2, 3, 2], device=DEVICE), "liked": torch.tensor([3, 9], device=DEVICE),
+           "user": torch.tensor([5], device=DEVICE)}
+    grads = {n: torch.randn(x.numel(), 4, generator=torch.Generator().manual_seed(len(n))).to(DEVICE) for n, x in ids.items()}
+    joined = torch.cat([ids["watched"], ids["liked"]])
+    for _ in range(2):
+        rows = coll.lookup(ids)
+        torch.testing.assert_close(torch.cat([rows["watched"], rows["liked"]]), alone.lookup(joined))
+        coll.apply_gradients(ids, grads)
+        alone.apply_gradients(joined, torch.cat([grads["watched"], grads["liked"]]))
+    assert_same_rows(coll["movies"], alone)  # id 3 of both features: one row, both gradients
+    assert coll["users"].stats().size == 1
+
+
+def test_a_read_only_feature_neither_inserts_nor_bumps_scores_nor_trains():
+    coll, _ = shared_table({"watched": "read_write", "browsed": "read_only"})
+    first = {"watched": torch.tensor([1, 2], device=DEVICE)}
+    coll.lookup(first)
+    coll.apply_gradients(first, {"watched": torch.zeros(2, 4, device=DEVICE)})
+    keys, emb, _, scores = coll["movies"].export_rows()
+    ids = {"watched": torch.tensor([2], device=DEVICE), "browsed": torch.tensor([1, 7], device=DEVICE)}
+    rows = coll.lookup(ids)
+    torch.testing.assert_close(rows["browsed"][1], coll["movies"].initial_rows(torch.tensor([7], device=DEVICE))[0, :4])
+    coll.apply_gradients(ids, {"watched": torch.zeros(1, 4, device=DEVICE), "browsed": torch.ones(2, 4, device=DEVICE)})
+    k2, e2, _, s2 = coll["movies"].export_rows()
+    o1, o2 = keys.argsort(), k2.argsort()
+    assert k2[o2].tolist() == [1, 2]  # 7 was never stored
+    torch.testing.assert_close(e2[o2], emb[o1])  # the read-only gradients moved nothing
+    assert s2[o2][0] == scores[o1][0] and s2[o2][1] > scores[o1][1]  # only the read-write id's score rose
+
+
+def test_write_first_counts_an_ids_gradient_from_its_first_feature_only():
+    coll, _ = shared_table({"watched": "read_write", "liked": "write_first", "shared": "write_first"})
+    ids = {"watched": torch.tensor([1, 2], device=DEVICE), "liked": torch.tensor([2, 3, 3], device=DEVICE),
+           "shared": torch.tensor([3, 4], device=DEVICE)}
+    rows = coll.lookup(ids)
+    before = {int(i): r.clone() for n in ids for i, r in zip(ids[n].tolist(), rows[n])}
+    g = {"watched": torch.tensor([[1.0] * 4, [2.0] * 4]), "liked": torch.tensor([[10.0] * 4, [20.0] * 4, [30.0] * 4]),
+         "shared": torch.tensor([[100.0] * 4, [200.0] * 4])}
+    coll.apply_gradients(ids, {n: x.to(DEVICE) for n, x in g.items()})
+    # 1 and 2 from "watched" (2's copy in "liked" dropped), 3 from "liked" (both copies;
+    # its copy in "shared" dropped), 4 from "shared"
+    expected = {1: 1.0, 2: 2.0, 3: 50.0, 4: 200.0}
+    after = coll.lookup({"watched": torch.tensor(list(expected), device=DEVICE)}, train=False)["watched"]
+    for (i, step), row in zip(expected.items(), after):
+        torch.testing.assert_close(row, before[i] - SGD.lr * step)

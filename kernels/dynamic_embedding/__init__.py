@@ -1,6 +1,6 @@
 """Dynamic embedding engine: hash table, row optimizers, table collections, sharding, dump
 and load."""
-from .collection import DynamicEmbeddingCollection
+from .collection import DynamicEmbeddingCollection, FeatureConfig
 from .dump import DumpError, PendingDump, dump, dump_async, load, read_manifest
 from .embedding import DynamicEmbedding, EmbeddingConfig, ShardedDynamicEmbedding, TableStats
 from .hashing import EMPTY_KEY, shard_of
@@ -10,7 +10,7 @@ from .table import MISSING, ReferenceHashTable
 
 __all__ = [
     "DumpError", "PendingDump", "dump", "dump_async", "load", "read_manifest",
-    "DynamicEmbedding", "DynamicEmbeddingCollection", "EmbeddingConfig", "ShardedDynamicEmbedding",
+    "DynamicEmbedding", "DynamicEmbeddingCollection", "EmbeddingConfig", "FeatureConfig", "ShardedDynamicEmbedding",
     "ShardedDynamicEmbeddingCollection", "TableStats",
     "EMPTY_KEY", "shard_of", "OptimizerConfig", "MISSING", "ReferenceHashTable",
 ]

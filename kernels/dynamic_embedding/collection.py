@@ -18,7 +18,19 @@ kernel. At max capacity none of this waits for the GPU; below it, one check per 
 decides whether a table must grow. Other features are served one by one by their
 DynamicEmbedding, with the same results.
 
-A group differs from its features' own lookups in two ways: the reserved key (int64 min)
+Features and tables: by default each table is one feature of its name. `features` maps
+feature names to tables instead, several features sharing one table (as one id space read
+by several inputs), each in a mode:
+
+    read_write   looks up (with train: inserts and bumps scores) and trains (the default)
+    read_only    looks up without inserting or bumping scores; its gradients are ignored
+    write_first  as read_write, but an id's gradient counts only from the first feature of
+                 the table (in the collection's feature order) that holds the id in the call
+
+A call joins each table's features' ids into one lookup (read-only features' ids into a
+second one, without train), so shared tables are grouped as any other.
+
+A group differs from its tables' own lookups in two ways: the reserved key (int64 min)
 is served its initial embedding and never stored instead of raising, and the gradients
 of an id's copies are summed in another order (the same sum to rounding).
 """
@@ -59,6 +71,22 @@ UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4
 # sized for the lanes leaves most programs without segments)
 UPDATE_PROGRAMS = 64
 # (the measurements behind these: benchmarks/embedding_tuning.md)
+
+
+MODE_READ_WRITE, MODE_READ_ONLY, MODE_WRITE_FIRST = "read_write", "read_only", "write_first"
+FEATURE_MODES = (MODE_READ_WRITE, MODE_READ_ONLY, MODE_WRITE_FIRST)
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """A feature: the table it reads and its mode (FEATURE_MODES, the module docstring)."""
+
+    table: str
+    mode: str = MODE_READ_WRITE
+
+    def __post_init__(self):
+        if self.mode not in FEATURE_MODES:
+            raise ValueError(f"unknown feature mode {self.mode!r}; choose from {FEATURE_MODES}")
 
 
 def _fusable(emb: DynamicEmbedding) -> bool:
@@ -308,10 +336,17 @@ class _Group:
 
 
 class DynamicEmbeddingCollection:
-    """One DynamicEmbedding per feature; features that can share launches do (see above)."""
+    """One DynamicEmbedding per table; tables that can share launches do (see above)."""
 
-    def __init__(self, configs: dict[str, EmbeddingConfig], device: torch.device | str = "cpu"):
+    def __init__(
+        self, configs: dict[str, EmbeddingConfig], device: torch.device | str = "cpu",
+        features: dict[str, FeatureConfig] | None = None,
+    ):
         self.tables = {name: DynamicEmbedding(c, device) for name, c in configs.items()}
+        self.features = features if features is not None else {n: FeatureConfig(n) for n in configs}
+        unknown = {f.table for f in self.features.values()} - set(self.tables)
+        if unknown:
+            raise KeyError(f"features read tables {sorted(unknown)} that are not in the collection: {sorted(self.tables)}")
         by_layout: dict = {}
         for name, emb in self.tables.items():
             if _fusable(emb):
@@ -323,6 +358,7 @@ class DynamicEmbeddingCollection:
         ]
         grouped = {n for g in self.groups for n in g.names}
         self.single = [n for n in self.tables if n not in grouped]  # served one by one
+        self._joined: dict = {}  # per table: the last call's feature ids and their join
 
     def __getitem__(self, name: str) -> DynamicEmbedding:
         return self.tables[name]
@@ -332,17 +368,93 @@ class DynamicEmbeddingCollection:
             emb.epoch = epoch
 
     def _check(self, features: dict) -> None:
-        unknown = set(features) - set(self.tables)
+        unknown = set(features) - set(self.features)
         if unknown:
-            raise KeyError(f"no table for features {sorted(unknown)}; tables: {sorted(self.tables)}")
+            raise KeyError(f"no table for features {sorted(unknown)}; features: {sorted(self.features)}")
 
-    def _ids_of(self, group: _Group, ids: dict) -> list[torch.Tensor]:
-        return [ids.get(n, group.empty) for n in group.names]
+    # ---- features → tables ----------------------------------------------------------------
+    def _by_table(self, ids: dict[str, torch.Tensor], read_only: bool) -> dict[str, list[str]]:
+        """The features in ids of each table, in the collection's feature order: the
+        read-only ones, or the others."""
+        out: dict[str, list[str]] = {}
+        for name, f in self.features.items():
+            if name in ids and (f.mode == MODE_READ_ONLY) == read_only:
+                out.setdefault(f.table, []).append(name)
+        return out
+
+    def _join(self, table: str, names: list[str], ids: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One table's feature ids as one tensor: the feature's own for one feature; else
+        their concatenation, the same tensor again for the same feature tensors (so that an
+        update reuses its lookup's routing)."""
+        parts = tuple(ids[n] for n in names)
+        if len(parts) == 1:
+            return parts[0]
+        hit = self._joined.get(table)
+        if hit is not None and len(hit[0]) == len(parts) and all(a is b for a, b in zip(hit[0], parts)):
+            return hit[1]
+        joined = torch.cat([p.reshape(-1) for p in parts])
+        self._joined[table] = (parts, joined)
+        return joined
+
+    def _split(self, rows: dict[str, torch.Tensor], by_table: dict[str, list[str]], ids: dict) -> dict[str, torch.Tensor]:
+        out = {}
+        for table, names in by_table.items():
+            if len(names) == 1:
+                out[names[0]] = rows[table]
+            else:
+                out.update(zip(names, rows[table].split([ids[n].numel() for n in names])))
+        return out
 
     def lookup(self, ids: dict[str, torch.Tensor], train: bool = True) -> dict[str, torch.Tensor]:
         """Embeddings (N_f, dim) for each feature's int64 ids (N_f,), as
-        DynamicEmbedding.lookup does per table."""
+        DynamicEmbedding.lookup does per table (read-only features: without train)."""
         self._check(ids)
+        out = {}
+        for read_only in (False, True):
+            by_table = self._by_table(ids, read_only)
+            if by_table:
+                joined = {t: self._join(t, names, ids) for t, names in by_table.items()}
+                out.update(self._split(self._lookup_tables(joined, train and not read_only), by_table, ids))
+        return {n: out[n] for n in ids}
+
+    def apply_gradients(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+        """One optimizer step for every table read by a trained feature in ids (gradients
+        of duplicate ids summed; write_first and read_only as the module docstring says).
+        The update of the ids a training lookup has just served reuses its routing."""
+        self._check(ids)
+        if set(grads) != set(ids):
+            raise KeyError(f"gradients for {sorted(grads)} but ids for {sorted(ids)}")
+        by_table = self._by_table(ids, read_only=False)
+        table_ids = {t: self._join(t, names, ids) for t, names in by_table.items()}
+        table_grads = {t: self._table_grads(names, ids, grads) for t, names in by_table.items()}
+        self._apply_tables(table_ids, table_grads)
+
+    def _table_grads(self, names: list[str], ids: dict, grads: dict) -> torch.Tensor:
+        """A table's features' gradients joined, write_first features' rows zeroed where an
+        earlier feature of the table holds the id (the id's segment then sums the first
+        feature's gradients alone)."""
+        if len(names) == 1:
+            return grads[names[0]]
+        joined = torch.cat([grads[n].reshape(ids[n].numel(), -1) for n in names])
+        later = [i for i, n in enumerate(names) if i > 0 and self.features[n].mode == MODE_WRITE_FIRST]
+        if not later:
+            return joined
+        sizes = torch.tensor([ids[n].numel() for n in names], device=joined.device)
+        feature = torch.repeat_interleave(torch.arange(len(names), device=joined.device), sizes)
+        keys = torch.cat([ids[n].reshape(-1) for n in names]).to(joined.device)
+        _, inverse = torch.unique(keys, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), len(names), dtype=torch.int64, device=joined.device)
+        first.scatter_reduce_(0, inverse, feature, "amin")
+        write_first = torch.zeros(len(names), dtype=torch.bool, device=joined.device)
+        write_first[later] = True
+        drop = write_first[feature] & (first[inverse] < feature)
+        return joined.masked_fill(drop[:, None], 0.0)
+
+    # ---- tables ---------------------------------------------------------------------------
+    def _ids_of(self, group: _Group, ids: dict) -> list[torch.Tensor]:
+        return [ids.get(n, group.empty) for n in group.names]
+
+    def _lookup_tables(self, ids: dict[str, torch.Tensor], train: bool) -> dict[str, torch.Tensor]:
         out = {}
         for g in self.groups:
             if any(n in ids for n in g.names):
@@ -350,14 +462,9 @@ class DynamicEmbeddingCollection:
         for n in self.single:
             if n in ids:
                 out[n] = self.tables[n].lookup(ids[n], train)
-        return {n: out[n] for n in ids}
+        return out
 
-    def apply_gradients(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
-        """One optimizer step for every feature in ids (gradients of duplicate ids summed).
-        The update of the ids a training lookup has just served reuses its routing."""
-        self._check(ids)
-        if set(grads) != set(ids):
-            raise KeyError(f"gradients for {sorted(grads)} but ids for {sorted(ids)}")
+    def _apply_tables(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
         for g in self.groups:
             if any(n in ids for n in g.names):
                 zeros = torch.empty(0, g.dim, device=g.device)
@@ -370,5 +477,5 @@ class DynamicEmbeddingCollection:
         return {n: emb.stats() for n, emb in self.tables.items()}
 
     def metrics(self, prefix: str = "emb_") -> dict[str, float]:
-        """Every table's statistics, keyed <prefix><feature>_<name>."""
+        """Every table's statistics, keyed <prefix><table>_<name>."""
         return {k: v for n, s in self.stats().items() for k, v in s.as_metrics(f"{prefix}{n}_").items()}
