@@ -17,11 +17,13 @@ from pipelines.cli import main as hstu
 from pipelines.launcher import replica_envs
 
 TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
-# one test process runs this file: its fixtures train whole pipelines once per process
+# one test process runs this file (make test's --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("pipeline")
 
 
-@pytest.fixture(scope="module")
+# session-scoped: a test process may run other files' tests between this file's, and a
+# module fixture would then run the whole pipeline again
+@pytest.fixture(scope="session")
 def pipeline_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("run")
     hstu(["run", "--dataset", "synthetic", "--synthetic-users", "48", "--work-dir", str(work),
