@@ -16,6 +16,13 @@ COPY pipelines pipelines
 RUN pip install --upgrade pip && pip install . && python -c "import torch, lightning, kfp, mlflow, kubeflow.training"
 
 # PyTorchJob pods run `torchrun -m lightning_modules.train ...`; pipeline steps run
-# their lightweight component; both need only this image.
+# their lightweight component; both need only this image. They run as the non-root user
+# hstu (uid and gid 1000, components.pytorchjob.USER_ID); HOME may be pointed at a
+# writable volume where the root filesystem is read-only (the PyTorchJob's pods do).
+ARG USER_ID=1000
+RUN groupadd --gid ${USER_ID} hstu && useradd --uid ${USER_ID} --gid ${USER_ID} --create-home hstu \
+    && mkdir -p /workspace && chown ${USER_ID}:${USER_ID} /workspace
+ENV PYTHONDONTWRITEBYTECODE=1
+USER ${USER_ID}:${USER_ID}
 WORKDIR /workspace
 CMD ["hstu", "--help"]

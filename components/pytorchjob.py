@@ -10,6 +10,16 @@ from dataclasses import dataclass, field
 TRAIN_MODULE = "lightning_modules.train"
 RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
 CONTAINER = "pytorch"  # the operator finds the training container by this name
+# requests and limits per pod: per GPU where it has GPUs (a process and its data loader
+# workers per GPU), else these
+CPU_PER_GPU, MEMORY_PER_GPU = 8, "64Gi"
+CPU_WITHOUT_GPU, MEMORY_WITHOUT_GPU = "2", "8Gi"
+SHM_SIZE = "4Gi"  # /dev/shm (memory-backed): NCCL's and the data loader workers' buffers
+USER_ID = 1000  # the image's non-root user (Dockerfile)
+# writable under the read-only root filesystem: an emptyDir, also HOME (Triton's and
+# torch's caches live under it)
+SCRATCH = "/tmp"
+RDZV_BACKEND = "c10d"  # elastic jobs' rendezvous
 
 
 @dataclass
@@ -18,53 +28,108 @@ class JobSpec:
     image: str
     train_args: list[str]
     namespace: str = "default"
-    nodes: int = 2  # pods: one Master plus nodes - 1 Workers
-    nproc_per_node: int = 1
-    cpu: str = "2"
-    memory: str = "8Gi"
+    nodes: int = 2  # pods: one Master plus nodes - 1 Workers (elastic: nodes Workers)
+    nproc_per_node: int | None = None  # training processes per pod; default one per GPU, or 1
+    cpu: str | None = None  # per pod; default CPU_PER_GPU per GPU, or CPU_WITHOUT_GPU
+    memory: str | None = None  # per pod; default MEMORY_PER_GPU per GPU, or MEMORY_WITHOUT_GPU
     gpus: int = 0
     restart_policy: str = "OnFailure"
     backoff_limit: int = 3
     pvc: str | None = None  # a volume shared by every pod and pipeline step
     mount_path: str = "/workspace"
     env: dict[str, str] = field(default_factory=dict)
+    shm_size: str = SHM_SIZE
+    elastic: tuple[int, int] | None = None  # (min, max) pods: an elastic job between them
+    max_restarts: int = 3  # elastic: restarts of the workers' group
+
+    def procs_per_node(self) -> int:
+        return self.nproc_per_node if self.nproc_per_node is not None else max(self.gpus, 1)
+
+    def resources(self) -> dict[str, str]:
+        """One pod's requests (= limits)."""
+        if self.gpus:
+            memory = self.memory or f"{int(MEMORY_PER_GPU.removesuffix('Gi')) * self.gpus}Gi"
+            out = {"cpu": self.cpu or str(CPU_PER_GPU * self.gpus), "memory": memory, "nvidia.com/gpu": str(self.gpus)}
+        else:
+            out = {"cpu": self.cpu or CPU_WITHOUT_GPU, "memory": self.memory or MEMORY_WITHOUT_GPU}
+        return out
 
 
-def render(spec: JobSpec) -> dict:
-    """The PyTorchJob object for `spec`, as a dict ready for YAML or the API."""
-    if spec.nodes < 1 or spec.nproc_per_node < 1:
+def _check(spec: JobSpec) -> None:
+    if spec.nodes < 1 or spec.procs_per_node() < 1:
         raise ValueError("nodes and nproc_per_node must be at least 1")
-    resources = {"cpu": spec.cpu, "memory": spec.memory}
-    if spec.gpus:
-        resources["nvidia.com/gpu"] = str(spec.gpus)
+    if spec.gpus and spec.procs_per_node() > spec.gpus:
+        raise ValueError(f"nproc_per_node {spec.procs_per_node()} is more than the pod's {spec.gpus} GPUs")
+    if spec.elastic is not None:
+        low, high = spec.elastic
+        if not 1 <= low <= spec.nodes <= high:
+            raise ValueError(f"elastic pods (min {low}, max {high}) must satisfy 1 <= min <= nodes ({spec.nodes}) <= max")
+
+
+def _pod(spec: JobSpec) -> dict:
+    """The pod template's spec: non-root, no privilege escalation, no capabilities, a
+    read-only root filesystem with memory-backed /dev/shm, scratch and workspace volumes."""
+    resources = spec.resources()
+    env = {"HOME": SCRATCH} | spec.env
     container = {
         "name": CONTAINER,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["torchrun", "-m", TRAIN_MODULE, *spec.train_args],
-        "env": [{"name": k, "value": str(v)} for k, v in sorted(spec.env.items())],
+        "env": [{"name": k, "value": str(v)} for k, v in sorted(env.items())],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "scratch", "mountPath": SCRATCH},
+            {"name": "workspace", "mountPath": spec.mount_path},
+        ],
     }
-    pod = {"containers": [container]}
-    if spec.pvc:
-        container["volumeMounts"] = [{"name": "workspace", "mountPath": spec.mount_path}]
-        pod["volumes"] = [{"name": "workspace", "persistentVolumeClaim": {"claimName": spec.pvc}}]
+    workspace = {"persistentVolumeClaim": {"claimName": spec.pvc}} if spec.pvc else {"emptyDir": {}}
+    return {
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID, "fsGroup": USER_ID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
+            {"name": "scratch", "emptyDir": {}},
+            {"name": "workspace", **workspace},
+        ],
+    }
+
+
+def render(spec: JobSpec) -> dict:
+    """The PyTorchJob object for `spec`, as a dict ready for YAML or the API."""
+    _check(spec)
+    pod = _pod(spec)
 
     def replica(n: int) -> dict:
         return {"replicas": n, "restartPolicy": spec.restart_policy, "template": {"spec": copy.deepcopy(pod)}}
 
-    replicas = {"Master": replica(1)}
-    if spec.nodes > 1:
-        replicas["Worker"] = replica(spec.nodes - 1)
+    job_spec: dict = {"nprocPerNode": str(spec.procs_per_node())}
+    if spec.elastic is not None:  # Workers alone, rendezvous among themselves
+        low, high = spec.elastic
+        job_spec["elasticPolicy"] = {
+            "rdzvBackend": RDZV_BACKEND, "minReplicas": low, "maxReplicas": high, "maxRestarts": spec.max_restarts,
+        }
+        replicas = {"Worker": replica(spec.nodes)}
+    else:
+        replicas = {"Master": replica(1)}
+        if spec.nodes > 1:
+            replicas["Worker"] = replica(spec.nodes - 1)
+    job_spec["runPolicy"] = {"backoffLimit": spec.backoff_limit, "cleanPodPolicy": "None"}
+    job_spec["pytorchReplicaSpecs"] = replicas
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": {"app.kubernetes.io/name": "hstu"}},
-        "spec": {
-            "nprocPerNode": str(spec.nproc_per_node),
-            "runPolicy": {"backoffLimit": spec.backoff_limit, "cleanPodPolicy": "None"},
-            "pytorchReplicaSpecs": replicas,
-        },
+        "spec": job_spec,
     }
 
 

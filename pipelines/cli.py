@@ -37,12 +37,26 @@ def _add_job(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="default")
     p.add_argument("--image", default=None, help="the project's image")
     p.add_argument("--nodes", type=int, default=2, help="pods: one Master plus nodes - 1 Workers")
-    p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--cpu", default="2")
-    p.add_argument("--memory", default="8Gi")
-    p.add_argument("--gpus", type=int, default=0)
-    p.add_argument("--pvc", default=None, help="shared volume claim mounted at --mount-path")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs per pod")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="training processes per pod (default: one per GPU, or 1)")
+    p.add_argument("--cpu", default=None, help="CPU per pod (default: 8 per GPU, or 2)")
+    p.add_argument("--memory", default=None, help="memory per pod (default: 64Gi per GPU, or 8Gi)")
+    p.add_argument("--shm-size", default="4Gi", help="memory-backed /dev/shm per pod (NCCL, data loader workers)")
+    p.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                   help="an elastic job of --nodes Worker pods that may run with MIN to MAX of them (c10d rendezvous)")
+    p.add_argument("--max-restarts", type=int, default=3, help="with --elastic: restarts of the workers' group")
+    p.add_argument("--pvc", default=None, help="shared volume claim mounted at --mount-path (else an emptyDir)")
     p.add_argument("--mount-path", default="/workspace")
+
+
+def _elastic(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        low, high = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--elastic {text!r}: expected MIN:MAX, two integers") from None
+    return low, high
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,9 +190,13 @@ def _manifest(args) -> None:
             args.train_args.split() + ["--no-progress-bar"], args.patience,
         ),
         nodes=args.nodes, nproc_per_node=args.nproc_per_node, cpu=args.cpu, memory=args.memory,
-        gpus=args.gpus, pvc=args.pvc, mount_path=args.mount_path,
+        gpus=args.gpus, pvc=args.pvc, mount_path=args.mount_path, shm_size=args.shm_size,
+        elastic=_elastic(args.elastic), max_restarts=args.max_restarts,
     )
-    job = pytorchjob.render(spec)
+    try:
+        job = pytorchjob.render(spec)
+    except ValueError as e:
+        raise SystemExit(f"hstu manifest: {e}") from None
     if args.schema:
         pytorchjob.validate(job, yaml.safe_load(Path(args.schema).read_text()))
     elif errors := pytorchjob.operator_errors(job):

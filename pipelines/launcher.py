@@ -16,10 +16,13 @@ def free_port() -> int:
 
 def replica_envs(job: dict, master_addr: str = "127.0.0.1", master_port: int | None = None) -> list[tuple[str, dict]]:
     """(replica name, injected environment) for every pod, Master first: RANK is the pod's
-    index, WORLD_SIZE = pods × nprocPerNode, as the operator sets them."""
+    index, WORLD_SIZE = pods × nprocPerNode, as the operator sets them. An elastic job's
+    pods (Workers alone) also get torchrun's rendezvous settings: the c10d backend at the
+    first pod's address, PET_NNODES min:max and PET_MAX_RESTARTS."""
     spec = job["spec"]
     replicas = spec["pytorchReplicaSpecs"]
-    order = [("Master", replicas["Master"])] + ([("Worker", replicas["Worker"])] if "Worker" in replicas else [])
+    order = [(kind, replicas[kind]) for kind in ("Master", "Worker") if kind in replicas]
+    elastic = spec.get("elasticPolicy")
     pods = sum(r.get("replicas", 1) for _, r in order)
     nproc = spec.get("nprocPerNode", "1")
     nproc_int = int(nproc) if str(nproc).isdigit() else 1
@@ -34,6 +37,12 @@ def replica_envs(job: dict, master_addr: str = "127.0.0.1", master_port: int | N
                 "PET_NNODES": str(pods), "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(index),
                 "PYTHONUNBUFFERED": "1",
             }
+            if elastic:
+                env |= {
+                    "PET_RDZV_BACKEND": elastic.get("rdzvBackend", "c10d"), "PET_RDZV_ENDPOINT": f"{master_addr}:{port}",
+                    "PET_NNODES": f"{elastic['minReplicas']}:{elastic['maxReplicas']}",
+                    "PET_MAX_RESTARTS": str(elastic.get("maxRestarts", 0)),
+                }
             envs.append((f"{job['metadata']['name']}-{kind.lower()}-{i}", env))
             index += 1
     return envs

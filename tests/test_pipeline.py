@@ -123,6 +123,42 @@ def test_manifest_validates_against_the_crd(tmp_path, crd, shared_dir):
     assert {e["PET_NNODES"] for _, e in envs} == {"3"} and envs[2][1]["PET_NODE_RANK"] == "2"
 
 
+def test_gpu_pods_run_a_process_per_gpu_as_a_non_root_user_and_elastic_jobs_render(tmp_path, crd, capsys):
+    out = tmp_path / "job.yaml"
+    hstu(["manifest", "--data-dir", "/d", "--out-dir", "/o", "--nodes", "3", "--gpus", "8", "-o", str(out)])
+    job = yaml.safe_load(out.read_text())
+    pytorchjob.validate(job, crd)
+    assert job["spec"]["nprocPerNode"] == "8"  # one process per GPU
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"] == {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "8"}
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == pytorchjob.USER_ID
+    security = container["securityContext"]
+    assert security == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert "emptyDir" in volumes[mounts["/tmp"]] and {"name": "HOME", "value": "/tmp"} in container["env"]  # writable
+    dockerfile = (Path(__file__).parents[1] / "Dockerfile").read_text()
+    assert f"ARG USER_ID={pytorchjob.USER_ID}" in dockerfile and "USER ${USER_ID}" in dockerfile
+
+    hstu(["manifest", "--data-dir", "/d", "--out-dir", "/o", "--nodes", "3", "--gpus", "8", "--nproc-per-node", "4",
+          "--elastic", "2:4", "--max-restarts", "5", "-o", str(out)])
+    job = yaml.safe_load(out.read_text())
+    pytorchjob.validate(job, crd)
+    assert job["spec"]["nprocPerNode"] == "4"  # the override is kept
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 4, "maxRestarts": 5}
+    assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"] and job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
+    envs = replica_envs(job, master_port=29400)
+    assert len(envs) == 3 and {e["PET_NNODES"] for _, e in envs} == {"2:4"}
+    assert {(e["PET_RDZV_BACKEND"], e["PET_RDZV_ENDPOINT"], e["PET_MAX_RESTARTS"]) for _, e in envs} == {("c10d", "127.0.0.1:29400", "5")}
+
+    for bad, message in ((["--elastic", "4:6"], "min <= nodes"), (["--elastic", "2"], "expected MIN:MAX"),
+                         (["--gpus", "2", "--nproc-per-node", "4"], "more than the pod's 2 GPUs")):
+        with pytest.raises(SystemExit, match=message):
+            hstu(["manifest", "--data-dir", "/d", "--out-dir", "/o", "--nodes", "3", *bad])
+
+
 def test_invalid_manifests_are_refused(crd):
     good = pytorchjob.render(pytorchjob.JobSpec(name="j", image="i", train_args=[]))
     bad = json.loads(json.dumps(good))
@@ -144,6 +180,15 @@ def test_local_launcher_trains_from_a_rendered_manifest(tmp_path):
     hstu(["launch", str(job_file)])
     manifest = read_manifest(train / "model" / "embeddings")
     assert manifest["world_size"] == 2 and manifest["total_rows"] > 0
+
+
+def test_local_launcher_runs_an_elastic_job_through_its_rendezvous(tmp_path):
+    data, train, job_file = tmp_path / "data", tmp_path / "train", tmp_path / "job.yaml"
+    hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "30", "--out", str(data)])
+    hstu(["manifest", "--data-dir", str(data), "--out-dir", str(train), "--nodes", "2", "--elastic", "1:2", "--epochs", "1",
+          "--train-args", TINY + " --accelerator cpu", "-o", str(job_file)])
+    hstu(["launch", str(job_file)])
+    assert read_manifest(train / "model" / "embeddings")["world_size"] == 2  # both Workers joined
 
 
 def test_submit_creates_the_job_and_waits():
