@@ -7,6 +7,8 @@ torchrun takes them from the PET_* variables the Training Operator injects into 
 import copy
 from dataclasses import dataclass, field
 
+from .crd import schema_errors
+
 TRAIN_MODULE = "lightning_modules.train"
 RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
 CONTAINER = "pytorch"  # the operator finds the training container by this name
@@ -55,7 +57,7 @@ class JobSpec:
         return out
 
 
-def _check(spec: JobSpec) -> None:
+def check(spec: JobSpec) -> None:
     if spec.nodes < 1 or spec.procs_per_node() < 1:
         raise ValueError("nodes and nproc_per_node must be at least 1")
     if spec.gpus and spec.procs_per_node() > spec.gpus:
@@ -66,13 +68,13 @@ def _check(spec: JobSpec) -> None:
             raise ValueError(f"elastic pods (min {low}, max {high}) must satisfy 1 <= min <= nodes ({spec.nodes}) <= max")
 
 
-def _pod(spec: JobSpec) -> dict:
+def pod_spec(spec: JobSpec, container_name: str = CONTAINER) -> dict:
     """The pod template's spec: non-root, no privilege escalation, no capabilities, a
     read-only root filesystem with memory-backed /dev/shm, scratch and workspace volumes."""
     resources = spec.resources()
     env = {"HOME": SCRATCH} | spec.env
     container = {
-        "name": CONTAINER,
+        "name": container_name,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["torchrun", "-m", TRAIN_MODULE, *spec.train_args],
@@ -106,8 +108,8 @@ def _pod(spec: JobSpec) -> dict:
 
 def render(spec: JobSpec) -> dict:
     """The PyTorchJob object for `spec`, as a dict ready for YAML or the API."""
-    _check(spec)
-    pod = _pod(spec)
+    check(spec)
+    pod = pod_spec(spec)
 
     def replica(n: int) -> dict:
         return {"replicas": n, "restartPolicy": spec.restart_policy, "template": {"spec": copy.deepcopy(pod)}}
@@ -154,38 +156,9 @@ def operator_errors(job: dict) -> list[str]:
     return errors
 
 
-def closed_schema(schema: dict) -> dict:
-    """The CRD schema with objects closed: the API server drops or rejects fields it does not
-    know, except where the schema says x-kubernetes-preserve-unknown-fields."""
-    schema = copy.deepcopy(schema)
-
-    def close(node):
-        if isinstance(node, dict):
-            if (
-                node.get("type") == "object"
-                and "properties" in node
-                and "additionalProperties" not in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")
-            ):
-                node["additionalProperties"] = False
-            for v in node.values():
-                close(v)
-        elif isinstance(node, list):
-            for v in node:
-                close(v)
-
-    close(schema)
-    return schema
-
-
 def validate(job: dict, crd: dict) -> None:
     """Raises ValueError listing every schema and operator-rule violation."""
-    import jsonschema
-
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == job.get("apiVersion", "").split("/")[-1])
-    validator = jsonschema.Draft7Validator(closed_schema(version["schema"]["openAPIV3Schema"]))
-    errors = [f"{'/'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in validator.iter_errors(job)]
-    errors += operator_errors(job)
+    errors = schema_errors(job, crd) + operator_errors(job)
     if errors:
         raise ValueError("invalid PyTorchJob:\n  " + "\n  ".join(errors))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from lightning_modules import datasets, export as export_lib, model_files
 from lightning_modules.evaluate import HSTURanker, PopularityRanker, SASRecRanker, catalog_of, evaluate_rankers, whole_histories
 
-from . import pytorchjob, tracking
+from . import pytorchjob, tracking, trainjob
 
 
 def _tracked(tracking_uri: str, run_id: str) -> bool:
@@ -96,9 +96,9 @@ def train_step(
     model: str = "hstu",
     seed: int = 0,
 ) -> str:
-    """Trains `model` with `workers` processes: local torchrun, or a PyTorchJob on the
-    cluster (`job_spec`: JSON of components.pytorchjob.JobSpec fields, without
-    train_args), for at most `epochs`, stopping after `patience` validations without
+    """Trains `model` with `workers` processes: local torchrun (launcher "local"), or a
+    PyTorchJob ("pytorchjob") or a Trainer v2 TrainJob ("trainjob") on the cluster
+    (`job_spec`: JSON of components.pytorchjob.JobSpec fields, without train_args), for at most `epochs`, stopping after `patience` validations without
     improvement (< 0: never); `seed` seeds the training."""
     extra = extra_args.split() if extra_args else []
     args = train_args(data_dir, out_dir, preset, epochs, tracking_uri, run_id, extra + ["--no-progress-bar"], patience, model, seed)
@@ -112,17 +112,23 @@ def train_step(
             GLIBC_TUNABLES=os.environ.get("GLIBC_TUNABLES", CPU_MALLOC_TUNING),
         )
         subprocess.run(torchrun_command(workers, args), check=True, env=env)
-    elif launcher == "pytorchjob":
+    elif launcher in ("pytorchjob", "trainjob"):
         fields = json.loads(job_spec)
         if model != "hstu":  # a job of its own beside the model's
             fields["name"] = f"{fields.get('name', 'hstu-train')}-{model}"
         spec = pytorchjob.JobSpec(**fields, train_args=args)
-        job = pytorchjob.render(spec)
-        if pytorchjob.operator_errors(job):
-            raise ValueError("\n".join(pytorchjob.operator_errors(job)))
-        pytorchjob.submit(job)
+        if launcher == "pytorchjob":
+            job = pytorchjob.render(spec)
+            if pytorchjob.operator_errors(job):
+                raise ValueError("\n".join(pytorchjob.operator_errors(job)))
+            pytorchjob.submit(job)
+        else:  # Kubeflow Trainer v2: the runtime is created where the cluster lacks it
+            runtime, job = trainjob.render_runtime(spec), trainjob.render(spec)
+            if errors := trainjob.trainer_rule_errors(job, runtime):
+                raise ValueError("\n".join(errors))
+            trainjob.submit(job, runtime)
     else:
-        raise ValueError(f"unknown launcher {launcher!r}: local or pytorchjob")
+        raise ValueError(f"unknown launcher {launcher!r}: local, pytorchjob or trainjob")
     read = model_files.read_info if model == "hstu" else model_files.load_sasrec
     read(Path(out_dir) / "model")  # the workers committed a complete model
     return out_dir

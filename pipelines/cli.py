@@ -110,17 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pvc", default=None, help="volume claim mounted in every step")
     p.add_argument("--mount-path", default="/workspace")
 
-    p = sub.add_parser("manifest", help="render the training PyTorchJob")
+    p = sub.add_parser("manifest", help="render the training job: a PyTorchJob, or a Trainer v2 TrainJob and its runtime")
+    p.add_argument("--api", default="pytorchjob", choices=("pytorchjob", "trainjob"),
+                   help="Training Operator v1 PyTorchJob, or Kubeflow Trainer v2 TrainJob + ClusterTrainingRuntime")
     _add_job(p)
     _add_training(p)
     p.add_argument("--data-dir", required=True, help="prepared data, as the pods see it")
     p.add_argument("--out-dir", required=True, help="training output, as the pods see it")
     p.add_argument("--tracking-uri", default="")
     p.add_argument("--run-id", default="")
-    p.add_argument("--schema", default=None, help="PyTorchJob CRD YAML to validate against")
+    p.add_argument("--schema", action="append", default=[],
+                   help="a CRD YAML to validate against (PyTorchJob; or, repeated, TrainJob and ClusterTrainingRuntime)")
     p.add_argument("-o", "--output", default="-")
 
-    p = sub.add_parser("launch", help="run a PyTorchJob manifest's replicas as local processes")
+    p = sub.add_parser("launch", help="run a PyTorchJob's replicas, or a TrainJob's nodes, as local processes")
     p.add_argument("manifest")
     return parser
 
@@ -173,12 +176,12 @@ def main(argv=None) -> int:
     elif args.command == "launch":
         from .launcher import launch
 
-        launch(yaml.safe_load(Path(args.manifest).read_text()))
+        launch(*(d for d in yaml.safe_load_all(Path(args.manifest).read_text()) if d))
     return 0
 
 
 def _manifest(args) -> None:
-    from components import pytorchjob
+    from components import pytorchjob, trainjob
     from components.steps import train_args
 
     from .pipeline import DEFAULT_IMAGE
@@ -193,15 +196,25 @@ def _manifest(args) -> None:
         gpus=args.gpus, pvc=args.pvc, mount_path=args.mount_path, shm_size=args.shm_size,
         elastic=_elastic(args.elastic), max_restarts=args.max_restarts,
     )
+    crds = {c["spec"]["names"]["kind"]: c for c in (yaml.safe_load(Path(f).read_text()) for f in args.schema)}
     try:
-        job = pytorchjob.render(spec)
+        if args.api == "trainjob":
+            docs = [trainjob.render_runtime(spec), trainjob.render(spec)]
+            if crds:
+                trainjob.validate(docs[1], docs[0], crds["TrainJob"], crds["ClusterTrainingRuntime"])
+            elif errors := trainjob.trainer_rule_errors(docs[1], docs[0]):
+                raise ValueError("\n".join(errors))
+        else:
+            docs = [pytorchjob.render(spec)]
+            if crds:
+                pytorchjob.validate(docs[0], crds["PyTorchJob"])
+            elif errors := pytorchjob.operator_errors(docs[0]):
+                raise ValueError("\n".join(errors))
+    except KeyError as e:
+        raise SystemExit(f"hstu manifest --api {args.api}: no --schema for {e}") from None
     except ValueError as e:
         raise SystemExit(f"hstu manifest: {e}") from None
-    if args.schema:
-        pytorchjob.validate(job, yaml.safe_load(Path(args.schema).read_text()))
-    elif errors := pytorchjob.operator_errors(job):
-        raise SystemExit("\n".join(errors))
-    text = yaml.safe_dump(job, sort_keys=False)
+    text = yaml.safe_dump_all(docs, sort_keys=False)
     if args.output == "-":
         sys.stdout.write(text)
     else:

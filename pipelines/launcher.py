@@ -1,5 +1,6 @@
-"""Runs a rendered PyTorchJob on this machine: the Master's and Workers' own command, once
-per replica, with the environment the Training Operator injects into each pod."""
+"""Runs a rendered training job on this machine: a PyTorchJob's Master and Worker commands,
+once per replica, with the environment the Training Operator injects into each pod; or a
+Trainer v2 TrainJob's command once per node, with the environment its torch plugin sets."""
 import os
 import shutil
 import socket
@@ -53,18 +54,33 @@ def _container(job: dict, kind: str) -> dict:
     return next(c for c in pod["containers"] if c["name"] == "pytorch")
 
 
-def launch(job: dict, timeout_s: float | None = None) -> None:
-    """Starts every replica's command as a local process and waits; raises if one fails."""
-    bin_dir = os.path.dirname(sys.executable)  # the project's environment stands in for the image
-    procs = []
+def _processes(job: dict) -> list[tuple[str, list[str], dict]]:
+    """(pod name, command, environment) of each pod of a PyTorchJob or a TrainJob."""
+    if job.get("kind") == "TrainJob":
+        from components.trainjob import node_envs
+
+        trainer = job["spec"]["trainer"]
+        command = list(trainer["command"]) + list(trainer.get("args", []))
+        return [(name, command, env) for name, env in node_envs(job, master_port=free_port())]
+    out = []
     for name, env in replica_envs(job):
-        kind = "Master" if "-master-" in name else "Worker"
-        c = _container(job, kind)
-        command = list(c["command"]) + list(c.get("args", []))
-        command[0] = shutil.which(command[0], path=bin_dir + os.pathsep + os.environ.get("PATH", "")) or command[0]
-        full_env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-        full_env |= {e["name"]: e["value"] for e in c.get("env", [])} | env
-        procs.append((name, subprocess.Popen(command, env=full_env, cwd=c.get("workingDir") or Path.cwd())))
+        c = _container(job, "Master" if "-master-" in name else "Worker")
+        out.append((name, list(c["command"]) + list(c.get("args", [])), {e["name"]: e["value"] for e in c.get("env", [])} | env))
+    return out
+
+
+def launch(*docs: dict, timeout_s: float | None = None) -> None:
+    """Starts every pod's command of the job among docs (a PyTorchJob, or a TrainJob beside
+    its runtime) as a local process and waits; raises if one fails."""
+    jobs = [d for d in docs if d.get("kind") in ("PyTorchJob", "TrainJob")]
+    if len(jobs) != 1:
+        raise ValueError(f"expected one PyTorchJob or TrainJob, got kinds {[d.get('kind') for d in docs]}")
+    bin_dir = os.path.dirname(sys.executable)  # the project's environment stands in for the image
+    path = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    procs = []
+    for name, command, env in _processes(jobs[0]):
+        command[0] = shutil.which(command[0], path=path) or command[0]
+        procs.append((name, subprocess.Popen(command, env=dict(os.environ, PATH=path) | env, cwd=Path.cwd())))
     failed = []
     for name, p in procs:
         if p.wait(timeout=timeout_s) != 0:

@@ -10,7 +10,7 @@ import yaml
 from kfp import components as kfp_components
 from mlflow.tracking import MlflowClient
 
-from components import pytorchjob
+from components import pytorchjob, trainjob
 from kernels.dynamic_embedding import read_manifest
 from lightning_modules.export import Recommender
 from pipelines.cli import main as hstu
@@ -191,6 +191,68 @@ def test_local_launcher_runs_an_elastic_job_through_its_rendezvous(tmp_path):
     assert read_manifest(train / "model" / "embeddings")["world_size"] == 2  # both Workers joined
 
 
+@pytest.fixture(scope="module")
+def trainer_crds(shared_dir):
+    names = ("trainer.kubeflow.org_trainjobs.yaml", "trainer.kubeflow.org_clustertrainingruntimes.yaml")
+    return [shared_dir / "schemas" / n for n in names]
+
+
+def test_trainjob_and_its_runtime_validate_and_train_locally(tmp_path, trainer_crds):
+    data, train, job_file = tmp_path / "data", tmp_path / "train", tmp_path / "job.yaml"
+    hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "30", "--out", str(data)])
+    schemas = [a for f in trainer_crds for a in ("--schema", str(f))]
+    hstu(["manifest", "--api", "trainjob", "--data-dir", str(data), "--out-dir", str(train), "--nodes", "2", "--epochs", "1",
+          "--train-args", TINY + " --accelerator cpu", *schemas, "-o", str(job_file)])
+    runtime, job = yaml.safe_load_all(job_file.read_text())
+    assert (runtime["kind"], job["kind"]) == ("ClusterTrainingRuntime", "TrainJob")
+    assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"] == trainjob.RUNTIME_NAME
+    assert job["spec"]["trainer"]["numNodes"] == 2 and job["spec"]["trainer"]["numProcPerNode"] == 1
+    node = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert node["containers"][0]["name"] == "node" and node["securityContext"]["runAsNonRoot"]
+    envs = trainjob.node_envs(job, master_port=29400)
+    assert [e["PET_NODE_RANK"] for _, e in envs] == ["0", "1"] and {e["PET_NNODES"] for _, e in envs} == {"2"}
+    hstu(["launch", str(job_file)])  # the nodes as local processes, with the torch plugin's environment
+    assert read_manifest(train / "model" / "embeddings")["world_size"] == 2
+
+    crds = [yaml.safe_load(f.read_text()) for f in trainer_crds]
+    bad = json.loads(json.dumps(job))
+    bad["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "3"})
+    bad["spec"]["trainer"]["numNodes"] = "two"
+    with pytest.raises(ValueError) as e:
+        trainjob.validate(bad, runtime, *crds)
+    assert "reserved variables: ['PET_NNODES']" in str(e.value) and "numNodes" in str(e.value)
+    with pytest.raises(SystemExit, match="no elastic policy"):
+        hstu(["manifest", "--api", "trainjob", "--data-dir", "/d", "--out-dir", "/o", "--elastic", "1:2"])
+
+
+def test_trainjob_submit_creates_the_runtime_once_and_waits_for_completion():
+    class NotFound(Exception):
+        status = 404
+
+    class FakeApi:
+        def __init__(self):
+            self.calls, self.polls = [], 0
+
+        def get_cluster_custom_object(self, *args):
+            raise NotFound()
+
+        def create_cluster_custom_object(self, *args):
+            self.calls.append(("runtime", args[2]))
+
+        def create_namespaced_custom_object(self, *args):
+            self.calls.append(("job", args[2], args[3]))
+
+        def get_namespaced_custom_object(self, *args):
+            self.polls += 1
+            done = [{"type": "Complete", "status": "True"}] if self.polls > 1 else []
+            return {"status": {"conditions": done}}
+
+    spec = pytorchjob.JobSpec(name="j", image="i", train_args=["--epochs", "1"], namespace="ml")
+    api = FakeApi()
+    trainjob.submit(trainjob.render(spec), trainjob.render_runtime(spec), api=api, poll_s=0)
+    assert api.calls == [("runtime", "clustertrainingruntimes"), ("job", "ml", "trainjobs")] and api.polls == 2
+
+
 def test_submit_creates_the_job_and_waits():
     calls = []
 
@@ -210,10 +272,22 @@ def test_submit_creates_the_job_and_waits():
     assert calls[1][1]["name"] == "j" and calls[1][1]["job_kind"] == "PyTorchJob"
 
 
-def test_checked_in_manifest_is_what_the_cli_renders(tmp_path, crd):
-    base = Path(__file__).parents[1] / "manifests" / "base" / "pytorchjob.yaml"
-    header = [line for line in base.read_text().splitlines() if line.startswith("#")]
-    args = " ".join(line.lstrip("# ").rstrip("\\ ") for line in header).split("hstu manifest", 1)[1].split()
-    hstu(["manifest", *args, "-o", str(tmp_path / "job.yaml")])
+def rendering_command(path: Path) -> list[str]:
+    """The `hstu manifest` arguments in a checked-in manifest's header comment."""
+    header = [line for line in path.read_text().splitlines() if line.startswith("#") and "(" not in line]
+    return " ".join(line.lstrip("# ").rstrip("\\ ") for line in header).split("hstu manifest", 1)[1].split()
+
+
+def test_checked_in_manifests_are_what_the_cli_renders(tmp_path, crd, trainer_crds):
+    manifests = Path(__file__).parents[1] / "manifests"
+    base = manifests / "base" / "pytorchjob.yaml"
+    hstu(["manifest", *rendering_command(base), "-o", str(tmp_path / "job.yaml")])
     assert yaml.safe_load(base.read_text()) == yaml.safe_load((tmp_path / "job.yaml").read_text())
     pytorchjob.validate(yaml.safe_load(base.read_text()), crd)
+
+    runtime_file, job_file = manifests / "trainer-v2" / "clustertrainingruntime.yaml", manifests / "trainer-v2" / "trainjob.yaml"
+    assert rendering_command(runtime_file) == rendering_command(job_file)
+    hstu(["manifest", *rendering_command(job_file), "-o", str(tmp_path / "trainjob.yaml")])
+    runtime, job = yaml.safe_load_all((tmp_path / "trainjob.yaml").read_text())
+    assert yaml.safe_load(runtime_file.read_text()) == runtime and yaml.safe_load(job_file.read_text()) == job
+    trainjob.validate(job, runtime, *(yaml.safe_load(f.read_text()) for f in trainer_crds))
