@@ -253,6 +253,31 @@ def test_trainjob_submit_creates_the_runtime_once_and_waits_for_completion():
     assert api.calls == [("runtime", "clustertrainingruntimes"), ("job", "ml", "trainjobs")] and api.polls == 2
 
 
+def test_kustomize_trees_build_with_the_rendered_jobs():
+    """`kubectl kustomize` of every tree: each holds the platform and its job, the overlays
+    patch the PyTorchJob, and the cluster-scoped runtime gets no namespace."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("kubectl"):
+        pytest.skip("kubectl is not installed (.ci/run installs it)")
+    manifests = Path(__file__).parents[1] / "manifests"
+
+    def build(tree: str) -> dict:
+        out = subprocess.run(["kubectl", "kustomize", str(manifests / tree)], check=True, capture_output=True, text=True).stdout
+        return {d["kind"]: d for d in yaml.safe_load_all(out) if d}
+
+    platform = {"Namespace", "ServiceAccount", "Role", "RoleBinding", "Service", "PersistentVolumeClaim", "Deployment"}
+    base, gpu, v2 = build("base"), build("overlays/gpu"), build("trainer-v2")
+    assert set(base) == platform | {"PyTorchJob"} and set(v2) == platform | {"ClusterTrainingRuntime", "TrainJob"}
+    assert base["PyTorchJob"]["spec"] == yaml.safe_load((manifests / "base" / "pytorchjob.yaml").read_text())["spec"]
+    assert gpu["PyTorchJob"]["spec"]["nprocPerNode"] == "8"
+    worker = gpu["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8" and worker["volumes"][0]["name"] == "dshm"
+    assert "namespace" not in v2["ClusterTrainingRuntime"]["metadata"] and v2["TrainJob"]["metadata"]["namespace"] == "hstu"
+    build("overlays/cpu")
+
+
 def test_submit_creates_the_job_and_waits():
     calls = []
 
