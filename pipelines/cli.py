@@ -1,13 +1,16 @@
-"""The `hstu` command line."""
+"""The `hstu` command line. Bad input (a malformed file, a corrupt dump, a wrong value)
+ends in `hstu: error: <what>` and exit status 1; `hstu --debug ...` shows the traceback."""
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
+from kernels.dynamic_embedding import DumpError
 from lightning_modules.config import PRESETS
 from components.steps import BASELINES
-from lightning_modules.datasets import DATASETS
+from lightning_modules.datasets import DATASETS, DataError
 
 
 def _add_data_source(p: argparse.ArgumentParser) -> None:
@@ -61,6 +64,7 @@ def _elastic(text: str | None) -> tuple[int, int] | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hstu", description="HSTU recommenders on dynamic embeddings, as a Kubeflow pipeline")
+    parser.add_argument("--debug", action="store_true", help="show an error's traceback, not only its message")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="the whole pipeline on this machine (Kubeflow local runner, MLflow on SQLite)")
@@ -128,8 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# errors that describe bad input (a file, a dump, a flag's value): printed as a message
+USER_ERRORS = (DataError, DumpError, OSError, ValueError, subprocess.CalledProcessError, yaml.YAMLError)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        parser.exit(1, f"hstu: error: {e}\n")
+
+
+def _run(args) -> int:
     if args.command == "run":
         from .local import run_local
 

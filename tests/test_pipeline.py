@@ -253,9 +253,10 @@ def test_trainjob_submit_creates_the_runtime_once_and_waits_for_completion():
     assert api.calls == [("runtime", "clustertrainingruntimes"), ("job", "ml", "trainjobs")] and api.polls == 2
 
 
-def test_kustomize_trees_build_with_the_rendered_jobs():
+def test_kustomize_trees_build_with_the_rendered_jobs(crd, trainer_crds):
     """`kubectl kustomize` of every tree: each holds the platform and its job, the overlays
-    patch the PyTorchJob, and the cluster-scoped runtime gets no namespace."""
+    patch the PyTorchJob, the cluster-scoped runtime gets no namespace, and the custom
+    objects validate against their CRDs."""
     import shutil
     import subprocess
 
@@ -275,7 +276,9 @@ def test_kustomize_trees_build_with_the_rendered_jobs():
     worker = gpu["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8" and worker["volumes"][0]["name"] == "dshm"
     assert "namespace" not in v2["ClusterTrainingRuntime"]["metadata"] and v2["TrainJob"]["metadata"]["namespace"] == "hstu"
-    build("overlays/cpu")
+    for tree in (base, gpu, build("overlays/cpu")):
+        pytorchjob.validate(tree["PyTorchJob"], crd)
+    trainjob.validate(v2["TrainJob"], v2["ClusterTrainingRuntime"], *(yaml.safe_load(f.read_text()) for f in trainer_crds))
 
 
 def test_submit_creates_the_job_and_waits():

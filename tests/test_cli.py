@@ -1,0 +1,30 @@
+"""The `hstu` command line's errors: a message naming the problem and exit status 1, the
+traceback only with --debug."""
+import pytest
+
+from kernels.dynamic_embedding import DumpError
+from lightning_modules.datasets import DataError
+from pipelines.cli import main as hstu
+
+
+def test_bad_input_ends_in_a_message_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "v.csv").write_text("user_id,item_id,timestamp\n1,2,3\n1,2,3.5\n")
+    with pytest.raises(SystemExit) as e:
+        hstu(["prepare", "--dataset", "csv", "--input", str(tmp_path / "v.csv"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("hstu: error: ") and "v.csv:3: field 'timestamp'" in err
+    assert "Traceback" not in err
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        hstu(["dump", "--train-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "m")])
+    assert e.value.code == 1 and "not a complete model directory" in capsys.readouterr().err
+
+
+def test_debug_shows_the_exception(tmp_path):
+    (tmp_path / "v.csv").write_text("user_id,item_id,timestamp\n1,2,x\n")
+    with pytest.raises(DataError, match="v.csv:2"):
+        hstu(["--debug", "prepare", "--dataset", "csv", "--input", str(tmp_path / "v.csv"), "--out", str(tmp_path / "o")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DumpError):
+        hstu(["--debug", "dump", "--train-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "m")])
