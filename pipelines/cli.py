@@ -1,6 +1,7 @@
 """The `hstu` command line. Bad input (a malformed file, a corrupt dump, a wrong value)
 ends in `hstu: error: <what>` and exit status 1; `hstu --debug ...` shows the traceback."""
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a CRD YAML to validate against (PyTorchJob; or, repeated, TrainJob and ClusterTrainingRuntime)")
     p.add_argument("-o", "--output", default="-")
 
+    p = sub.add_parser("submit", help="compile the pipeline, upload it to Kubeflow Pipelines and start a run")
+    p.add_argument("--host", required=True, help="the Kubeflow Pipelines endpoint (token from $KFP_TOKEN)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a pipeline parameter, repeated (work_dir=/workspace/run1 dataset=ml-1m launcher=trainjob ...)")
+    p.add_argument("--namespace", default="kubeflow")
+    p.add_argument("--experiment", default="hstu")
+    p.add_argument("--run-name", default=None)
+    p.add_argument("--pipeline-name", default=None, help="the uploaded pipeline's name (a new version where it exists)")
+    p.add_argument("--image", default=None)
+    p.add_argument("--pvc", default=None, help="volume claim mounted in every step")
+    p.add_argument("--mount-path", default="/workspace")
+    p.add_argument("--wait", action="store_true", help="wait for the run to end; exit 1 unless it succeeded")
+    p.add_argument("--timeout", type=int, default=7 * 24 * 3600, help="with --wait: seconds")
+
     p = sub.add_parser("launch", help="run a PyTorchJob's replicas, or a TrainJob's nodes, as local processes")
     p.add_argument("manifest")
     return parser
@@ -191,11 +206,34 @@ def _run(args) -> int:
         print(compile_pipeline(args.out, args.image or DEFAULT_IMAGE, args.pvc, args.mount_path))
     elif args.command == "manifest":
         _manifest(args)
+    elif args.command == "submit":
+        return _submit(args)
     elif args.command == "launch":
         from .launcher import launch
 
         launch(*(d for d in yaml.safe_load_all(Path(args.manifest).read_text()) if d))
     return 0
+
+
+def _submit(args) -> int:
+    from . import submit as kfp_submit
+    from .pipeline import DEFAULT_IMAGE, NAME
+
+    s = kfp_submit.Submission(
+        host=args.host, parameters=kfp_submit.parse_parameters(args.param), namespace=args.namespace,
+        experiment=args.experiment, run_name=args.run_name, pipeline_name=args.pipeline_name or NAME,
+        image=args.image or DEFAULT_IMAGE, pvc=args.pvc, mount_path=args.mount_path,
+    )
+    import kfp
+
+    client = kfp.Client(host=s.host, namespace=s.namespace, existing_token=os.environ.get(kfp_submit.TOKEN_ENV))
+    done = kfp_submit.submit(s, client)
+    print(f"run {done.run_id}: {done.url}", flush=True)
+    if not args.wait:
+        return 0
+    state = kfp_submit.wait(client, done.run_id, args.timeout)
+    print(f"run {done.run_id}: {state}")
+    return 0 if state == kfp_submit.SUCCEEDED else 1
 
 
 def _manifest(args) -> None:
