@@ -253,12 +253,17 @@ def test_trainjob_submit_creates_the_runtime_once_and_waits_for_completion():
     assert api.calls == [("runtime", "clustertrainingruntimes"), ("job", "ml", "trainjobs")] and api.polls == 2
 
 
+KUBERNETES_VERSION = "1.32"  # the schemas the core objects are held to (Debian's kubectl)
+
+
 def test_kustomize_trees_build_with_the_rendered_jobs(crd, trainer_crds):
     """`kubectl kustomize` of every tree: each holds the platform and its job, the overlays
     patch the PyTorchJob, the cluster-scoped runtime gets no namespace, and the custom
     objects validate against their CRDs."""
     import shutil
     import subprocess
+
+    import kubernetes_validate
 
     if not shutil.which("kubectl"):
         pytest.skip("kubectl is not installed (.ci/run installs it)")
@@ -279,6 +284,9 @@ def test_kustomize_trees_build_with_the_rendered_jobs(crd, trainer_crds):
     for tree in (base, gpu, build("overlays/cpu")):
         pytorchjob.validate(tree["PyTorchJob"], crd)
     trainjob.validate(v2["TrainJob"], v2["ClusterTrainingRuntime"], *(yaml.safe_load(f.read_text()) for f in trainer_crds))
+    # the core objects against Kubernetes' own schemas, unknown fields refused
+    for kind in platform:
+        kubernetes_validate.validate(base[kind], KUBERNETES_VERSION, strict=True)
 
 
 def test_submit_creates_the_job_and_waits():
