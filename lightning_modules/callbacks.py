@@ -1,5 +1,5 @@
-"""Training callbacks: validation after each epoch with early stopping, and epoch
-checkpoints that keep the best one.
+"""Training callbacks: validation after each epoch with early stopping, and checkpoints
+(every epoch, keeping the best one, and every N steps or M minutes within an epoch).
 
 `Validation` runs first at the end of an epoch: it logs `val/*`, tracks the best value of
 its monitored metric and stops training once that has not improved for `patience`
@@ -7,8 +7,8 @@ validations. `EpochCheckpoint`, after it in the trainer's callback list, saves t
 and keeps it as the best checkpoint when the validation just improved.
 """
 import os
-import re
 import shutil
+import time
 from pathlib import Path
 
 import lightning as L
@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from .evaluate import catalog_of, evaluate_rankers, whole_histories
 
-CHECKPOINT_RE = re.compile(r"epoch=(\d+)\.ckpt$")
+CHECKPOINT_PATTERNS = ("epoch=*.ckpt", "step=*.ckpt")  # each epoch's; the newest within an epoch
 DUMP_PATTERN = "embeddings-step-*"
 
 
@@ -78,12 +78,21 @@ class EpochCheckpoint(Callback):
     """Saves `epoch=N.ckpt` after every epoch, renamed into place once complete, keeps the
     newest `keep` checkpoints, and keeps the best one by `validation` (the epoch whose
     validation was the best so far), each with its embedding dump. `best_path` names the
-    best checkpoint (None before any validation)."""
+    best checkpoint (None before any validation).
 
-    def __init__(self, directory: Path, validation: Validation | None = None, keep: int = 2):
+    Within an epoch, every `every_steps` steps or `every_minutes` minutes (whichever comes
+    first; None: never) it also saves `step=S.ckpt` the same way, keeping only the newest:
+    a job killed mid-epoch resumes from there (latest_checkpoint)."""
+
+    def __init__(
+        self, directory: Path, validation: Validation | None = None, keep: int = 2,
+        every_steps: int | None = None, every_minutes: float | None = None,
+    ):
         self.directory, self.validation, self.keep = Path(directory), validation, keep
+        self.every_steps, self.every_minutes = every_steps, every_minutes
         self.best_name: str | None = None
         self.dumps: dict[str, str] = {}  # checkpoint name -> the embedding dump it names
+        self._last_save = time.monotonic()
 
     @property
     def best_path(self) -> Path | None:
@@ -93,6 +102,19 @@ class EpochCheckpoint(Callback):
         final = self.directory / f"epoch={trainer.current_epoch:04d}.ckpt"
         if self.validation is not None and self.validation.improved:
             self.best_name = final.name
+        self._save(trainer, module, final)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        due = bool(self.every_steps) and step % self.every_steps == 0
+        if self.every_minutes:
+            # rank 0's clock decides, so that every rank saves at the same step
+            late = trainer.strategy.broadcast(time.monotonic() - self._last_save >= 60 * self.every_minutes)
+            due = due or late
+        if due and step > 0:
+            self._save(trainer, module, self.directory / f"step={step:08d}.ckpt")
+
+    def _save(self, trainer: L.Trainer, module: L.LightningModule, final: Path) -> None:
         dump = getattr(module, "dump_name", lambda: None)()
         if dump:
             self.dumps[final.name] = dump  # before saving: the saved state knows its own dump
@@ -100,13 +122,17 @@ class EpochCheckpoint(Callback):
         trainer.save_checkpoint(tmp, weights_only=False)  # every rank: the module dumps its table shard
         if trainer.is_global_zero:
             os.replace(tmp, final)
-            self._prune()
+            self._prune(keep_step=final.name if final.name.startswith("step=") else None)
+        self._last_save = time.monotonic()
 
-    def _prune(self) -> None:
-        """Keeps the newest `keep` checkpoints and the best, and the dumps they name."""
+    def _prune(self, keep_step: str | None = None) -> None:
+        """Keeps the newest `keep` epoch checkpoints and the best, the newest step
+        checkpoint if it is newer than every epoch's, and the dumps they name."""
         ckpts = sorted(self.directory.glob("epoch=*.ckpt"))
         keep = {p.name for p in ckpts[-self.keep :]} | ({self.best_name} if self.best_name else set())
-        for old in ckpts:
+        if keep_step is not None:
+            keep.add(keep_step)
+        for old in ckpts + sorted(self.directory.glob("step=*.ckpt")):
             if old.name not in keep:
                 old.unlink()
         self.dumps = {c: d for c, d in self.dumps.items() if c in keep}
@@ -122,5 +148,7 @@ class EpochCheckpoint(Callback):
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    found = sorted((int(m.group(1)), p) for p in directory.glob("epoch=*.ckpt") if (m := CHECKPOINT_RE.search(p.name)))
-    return found[-1][1] if found else None
+    """The newest complete checkpoint, of an epoch or within one (rank 0 writes them one
+    after another, each renamed into place once complete: the newest file is the latest)."""
+    found = [p for pattern in CHECKPOINT_PATTERNS for p in directory.glob(pattern)]
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None

@@ -62,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Lightning precision: auto is bf16-mixed (bf16 autocast) on GPUs and 32-true on CPUs")
     p.add_argument("--loader-workers", type=int,
                    help="data loader worker processes per training process (default: 4 on GPUs, 0 on CPUs)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                   help="also checkpoint every this many steps within an epoch (the newest one kept)")
+    p.add_argument("--checkpoint-minutes", type=float, default=None,
+                   help="also checkpoint once this many minutes have passed since the last checkpoint")
     p.add_argument("--log-every", type=int, default=1, help="steps between metric logs")
     p.add_argument("--tracking-uri", help="MLflow tracking URI; no MLflow without it")
     p.add_argument("--run-id", help="MLflow run to log into")
@@ -117,7 +121,7 @@ def main(argv=None) -> Path:
         logger.log_hyperparams({f"{prefix}{k}": v for k, v in config.to_dict().items()})
 
     validation = Validation(args.data_dir, args.val_every, args.val_users, MONITOR, args.patience)
-    checkpoints = EpochCheckpoint(ckpt_dir, validation)
+    checkpoints = EpochCheckpoint(ckpt_dir, validation, every_steps=args.checkpoint_every, every_minutes=args.checkpoint_minutes)
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=per_node,
