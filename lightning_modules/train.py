@@ -114,9 +114,10 @@ def main(argv=None) -> Path:
 
     logger = False
     if args.tracking_uri:
-        from lightning.pytorch.loggers import MLFlowLogger  # imports mlflow only when asked
+        from .tracking_logger import BufferedMLFlowLogger, limit_http_retries  # imports mlflow only when asked
 
-        logger = MLFlowLogger(experiment_name="hstu", tracking_uri=args.tracking_uri, run_id=args.run_id)
+        limit_http_retries()
+        logger = BufferedMLFlowLogger(experiment_name="hstu", tracking_uri=args.tracking_uri, run_id=args.run_id)
         prefix = "model/" if args.model == "hstu" else f"{args.model}/"
         logger.log_hyperparams({f"{prefix}{k}": v for k, v in config.to_dict().items()})
 
