@@ -6,7 +6,6 @@ import sys
 import time
 import urllib.request
 
-import pytest
 from mlflow.tracking import MlflowClient
 
 from pipelines.cli import main as hstu
