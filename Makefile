@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 WORK ?= demo-work
 DEMO_ARGS ?= --dataset synthetic --synthetic-users 3000 --workers 2 --epochs 12
-# test processes (pytest-xdist): the interpreted Triton tests are single-threaded Python
+# test processes (pytest-xdist, work stealing): the interpreted Triton tests are single-threaded Python
 TEST_WORKERS ?= 2
 
 .PHONY: demo test install clean
@@ -25,7 +25,7 @@ demo: install
 	$(BIN)/hstu run --work-dir $(WORK) $(DEMO_ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf $(VENV) $(WORK)
