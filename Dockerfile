@@ -13,7 +13,12 @@ COPY lightning_modules lightning_modules
 COPY components components
 COPY pipelines pipelines
 # torch comes from the base image; pip keeps it because it satisfies torch>=2.6
-RUN pip install --upgrade pip && pip install . && python -c "import torch, lightning, kfp, mlflow, kubeflow.training"
+# [server]: the same image runs the platform's MLflow server (PostgreSQL driver, S3 client)
+RUN pip install --upgrade pip && pip install ".[server]" \
+    && python -c "import torch, lightning, kfp, mlflow, kubeflow.training, psycopg, boto3, psutil"
+# the code version MLflow runs show (docker build --build-arg HSTU_GIT_COMMIT=$(git rev-parse HEAD) ...)
+ARG HSTU_GIT_COMMIT=""
+ENV HSTU_GIT_COMMIT=${HSTU_GIT_COMMIT}
 
 # PyTorchJob pods run `torchrun -m lightning_modules.train ...`; pipeline steps run
 # their lightweight component; both need only this image. They run as the non-root user
