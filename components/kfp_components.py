@@ -1,10 +1,27 @@
-"""Kubeflow Pipelines components, one per step. Each is a lightweight component whose body
+"""Kubeflow Pipelines components, one per step (and two that open and close the MLflow run). Each is a lightweight component whose body
 imports and calls the step function in `components.steps`; the image holds the project.
 
 Paths are strings on storage every step shares: a work directory on this machine, or a
 volume mounted at the same path in every pod of a cluster run.
 """
 from kfp import dsl
+
+
+def open_run(
+    tracking_uri: str, run_id: str, pipeline_run: str, work_dir: str, dataset: str, workers: int, preset: str, epochs: int,
+    patience: int, seed: int, baselines: str, extra_args: str,
+) -> str:
+    from components.tracking import open_pipeline_run
+
+    params = {"dataset": dataset, "workers": workers, "epochs": epochs, "preset": preset, "seed": seed, "patience": patience,
+              "baselines": baselines, "extra_args": extra_args, "work_dir": work_dir}
+    return open_pipeline_run(tracking_uri, run_id, pipeline_run, f"{dataset}-{preset}", params)
+
+
+def close_run(tracking_uri: str, pipeline_run: str, status: dsl.PipelineTaskFinalStatus):
+    from components.tracking import close_pipeline_run
+
+    close_pipeline_run(tracking_uri, pipeline_run, succeeded=status.state == "SUCCEEDED")
 
 
 def prepare_data(
@@ -89,7 +106,7 @@ def export(model_dir: str, data_dir: str, metrics_file: str, work_dir: str, trac
     return export_step(model_dir, data_dir, metrics_file, os.path.join(work_dir, "export"), tracking_uri, run_id)
 
 
-STEPS = (prepare_data, train, train_baselines, dump, evaluate, export)
+STEPS = (open_run, prepare_data, train, train_baselines, dump, evaluate, export, close_run)
 
 
 def build(image: str) -> dict:

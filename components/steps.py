@@ -39,6 +39,7 @@ def prepare_step(
         tracking.log_metrics(tracking_uri, run_id, numeric, prefix="data/")
         tracking.log_params(tracking_uri, run_id, {"dataset": dataset, "data_source": stats["source"]})
         tracking.log_artifact(tracking_uri, run_id, Path(out_dir) / "stats.json", "data")
+        tracking.log_dataset(tracking_uri, run_id, out_dir, name=dataset)
     return out_dir
 
 
@@ -158,7 +159,7 @@ def dump_step(train_dir: str, out_dir: str, tracking_uri: str = "", run_id: str 
     path = model_files.save(out_dir, model, items, metadata=info["metadata"])
     if _tracked(tracking_uri, run_id):
         rows = items.item_table.stats().size
-        tracking.log_metrics(tracking_uri, run_id, {"embedding_rows": rows}, prefix="dump/")
+        tracking.log_metrics(tracking_uri, run_id, {"embedding_rows": rows}, prefix="dump/", step=final_step(info))
     return str(path)
 
 
@@ -169,7 +170,7 @@ def evaluate_step(
     """Full-ranking test metrics of the model and the baselines, on the same users →
     metrics.json: {"model": ..., "sasrec": ..., "most_popular": ...}. baselines: a
     comma-separated list of BASELINES; SASRec's trained model is <baselines_dir>/sasrec/model."""
-    model, items, _ = model_files.load_model(model_dir)
+    model, items, info = model_files.load_model(model_dir)
     catalog = catalog_of(data_dir)
     rankers = {"model": HSTURanker(model, items, catalog)}
     for name in parse_baselines(baselines):
@@ -184,12 +185,19 @@ def evaluate_step(
     (out / "metrics.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     if _tracked(tracking_uri, run_id):
+        step = final_step(info)  # where the registered model finds its metrics (export_step)
         for name, metrics in results.items():
-            tracking.log_metrics(tracking_uri, run_id, metrics, prefix="test/" if name == "model" else f"baseline/{name}/")
+            prefix = "test/" if name == "model" else f"baseline/{name}/"
+            tracking.log_metrics(tracking_uri, run_id, metrics, prefix=prefix, step=step)
         tracking.log_artifact(tracking_uri, run_id, out / "metrics.json", "evaluation")
         curve = tracking.plot_training_curve(tracking_uri, run_id, out / "training_curve.png")
         tracking.log_artifact(tracking_uri, run_id, curve, "evaluation")
     return str(out / "metrics.json")
+
+
+def final_step(model_info: dict) -> int:
+    """The trained model's last training step: the step of the run's final metrics."""
+    return int(model_info["metadata"].get("global_step") or 0)
 
 
 def export_step(model_dir: str, data_dir: str, metrics_file: str, out_dir: str, tracking_uri: str = "", run_id: str = "") -> str:
@@ -198,6 +206,6 @@ def export_step(model_dir: str, data_dir: str, metrics_file: str, out_dir: str, 
     version = str(tracking.next_model_version(tracking_uri)) if _tracked(tracking_uri, run_id) else "0"
     path = export_lib.export(model_dir, data_dir, out_dir, model_version=version, metrics=metrics)
     if _tracked(tracking_uri, run_id):
-        registered = tracking.register_export(tracking_uri, run_id, path)
+        registered = tracking.register_export(tracking_uri, run_id, path, step=final_step(model_files.read_info(model_dir)))
         tracking.log_params(tracking_uri, run_id, {"registered_model_version": registered})
     return str(path)

@@ -1,4 +1,13 @@
-"""MLflow helpers: one run per pipeline execution, every step logs into it."""
+"""MLflow helpers: one run per pipeline execution, every step logs into it.
+
+What a run carries besides metrics: MLflow's own context tags (user, source) and the code
+version (`code_version_tags`), the prepared data as dataset inputs (`log_dataset`), and
+the registered model with a signature, an input example, its requirements and the
+project's code, linked to the run's final metrics (`register_export`).
+"""
+import os
+import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import mlflow
@@ -6,6 +15,14 @@ from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "hstu"
 MODEL_NAME = "hstu"
+DISTRIBUTION = "hstu"  # the project's own distribution (pyproject.toml)
+COMMIT_ENV = "HSTU_GIT_COMMIT"  # the image's commit, set at build time (Dockerfile)
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# The packages the served model imports: carried with the model as code (MLflow code_paths)
+MODEL_CODE = ("kernels", "lightning_modules")
+# What the served model needs installed besides its code (versions pinned to this environment's)
+MODEL_REQUIREMENTS = ("torch", "numpy", "safetensors", "pyarrow", "lightning", "mlflow")
+SPLIT_CONTEXTS = {"train": "training", "valid": "validation", "test": "testing"}
 
 
 def default_tracking_uri(work_dir: str | Path) -> str:
@@ -29,12 +46,87 @@ def start_run(
         exp = client.get_experiment_by_name(experiment)
         location = Path(artifact_root).resolve().as_uri() if artifact_root else None
         exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=location)
-        tags = None
-    return client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+        tags = {}
+    tags |= code_version_tags()
+    return client.create_run(exp_id, run_name=run_name, tags=resolve_tags(tags)).info.run_id
+
+
+def resolve_tags(tags: dict) -> dict:
+    """MLflow's context tags (user, source name and type, ...) under the given ones."""
+    from mlflow.tracking.context.registry import resolve_tags as mlflow_context_tags
+
+    return mlflow_context_tags(tags)
+
+
+def code_version() -> str | None:
+    """The commit the project runs from: the image's (COMMIT_ENV), else the checkout's."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    try:
+        out = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def code_version_tags() -> dict:
+    """mlflow.source.git.commit (what the UI shows as the run's code version) and the
+    project's package version."""
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
+
+    tags = {"hstu.version": metadata.version(DISTRIBUTION)}
+    if commit := code_version():
+        tags[MLFLOW_GIT_COMMIT] = commit
+    return tags
+
+
+def log_dataset(tracking_uri: str, run_id: str, data_dir: str | Path, name: str) -> None:
+    """The prepared splits as the run's dataset inputs (schema, row count, digest, source),
+    each tagged with its use: training, validation, testing."""
+    import pandas as pd
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = []
+    for split, context in SPLIT_CONTEXTS.items():
+        path = (Path(data_dir) / f"{split}.parquet").resolve()
+        dataset = mlflow.data.from_pandas(pd.read_parquet(path), source=path.as_uri(), name=f"{name}-{split}")
+        inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+    MlflowClient(tracking_uri).log_inputs(run_id, datasets=inputs)
 
 
 def finish_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
     MlflowClient(tracking_uri).set_terminated(run_id, status)
+
+
+PIPELINE_RUN_TAG = "kfp.run_id"  # the Kubeflow Pipelines run an MLflow run belongs to
+
+
+def open_pipeline_run(tracking_uri: str, run_id: str, pipeline_run: str, run_name: str, params: dict) -> str:
+    """The MLflow run a pipeline run logs into: `run_id` when the caller made one (the
+    local runner), else the run tagged with this pipeline run (a retried step finds the
+    same one), else a new one; its parameters logged under pipeline_. No tracking URI,
+    no run: returns ""."""
+    if not tracking_uri:
+        return ""
+    client = MlflowClient(tracking_uri)
+    if not run_id:
+        exp = client.get_experiment_by_name(EXPERIMENT)
+        found = client.search_runs([exp.experiment_id], f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}'") if exp else []
+        run_id = found[0].info.run_id if found else start_run(tracking_uri, run_name)
+    client.set_tag(run_id, PIPELINE_RUN_TAG, pipeline_run)
+    log_params(tracking_uri, run_id, {"pipeline_" + k: v for k, v in params.items()})
+    return run_id
+
+
+def close_pipeline_run(tracking_uri: str, pipeline_run: str, succeeded: bool) -> None:
+    """Ends the MLflow run of a pipeline run (found by its tag): FINISHED or FAILED."""
+    if not tracking_uri:
+        return
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    for run in client.search_runs([exp.experiment_id], f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}'") if exp else []:
+        client.set_terminated(run.info.run_id, "FINISHED" if succeeded else "FAILED")
 
 
 def log_params(tracking_uri: str, run_id: str, params: dict, prefix: str = "") -> None:
@@ -79,17 +171,56 @@ def next_model_version(tracking_uri: str, name: str = MODEL_NAME) -> int:
     return max(versions, default=0) + 1
 
 
-def register_export(tracking_uri: str, run_id: str, export_dir: str | Path, name: str = MODEL_NAME) -> str:
-    """Logs the exported directory as a pyfunc model (defined from code: no pickle) and
-    registers it; returns the new registered version."""
+def input_example():
+    """A request the served model answers (components/mlflow_model.py): histories, top k."""
+    import pandas as pd
+
+    return pd.DataFrame({"history": [[1, 2, 3]], "k": [10]})
+
+
+def model_signature():
+    """The served model's columns: `history` (item ids, oldest first), optional `k`; out:
+    one list of item ids per row."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, DataType, Schema
+    from mlflow.types.schema import Array
+
+    return ModelSignature(
+        inputs=Schema([ColSpec(Array(DataType.long), "history"), ColSpec(DataType.long, "k", required=False)]),
+        outputs=Schema([ColSpec(Array(DataType.long))]),
+    )
+
+
+def _pinned(name: str) -> str:
+    return f"{name}=={metadata.version(name).split('+')[0]}"  # local build tags (torch's +cpu) dropped
+
+
+def model_requirements() -> list[str]:
+    """MODEL_REQUIREMENTS pinned to the versions installed here, and Triton on Linux."""
+    try:
+        triton = _pinned("triton")
+    except metadata.PackageNotFoundError:
+        triton = "triton"
+    return [_pinned(name) for name in MODEL_REQUIREMENTS] + [f"{triton}; platform_system == 'Linux'"]
+
+
+def register_export(tracking_uri: str, run_id: str, export_dir: str | Path, step: int = 0, name: str = MODEL_NAME) -> str:
+    """Logs the exported directory as a pyfunc model (defined from code: no pickle) with
+    its signature, an input example, its requirements and the project's code, and
+    registers it; returns the new registered version. The model is linked to the run's
+    metrics logged at `step` (the pipeline logs its test metrics at the trained model's
+    last step), which its page in MLflow shows."""
     mlflow.set_tracking_uri(tracking_uri)
-    model_code = str(Path(__file__).with_name("mlflow_model.py"))
     with mlflow.start_run(run_id=run_id):
         info = mlflow.pyfunc.log_model(
             name="model",
-            python_model=model_code,
+            python_model=str(Path(__file__).with_name("mlflow_model.py")),
             artifacts={"export": str(export_dir)},
+            code_paths=[str(PROJECT_ROOT / package) for package in MODEL_CODE],
+            pip_requirements=model_requirements(),
+            signature=model_signature(),
+            input_example=input_example(),
             registered_model_name=name,
-            pip_requirements=[],  # the project's own image / environment serves it
+            step=step,
         )
     return str(info.registered_model_version)

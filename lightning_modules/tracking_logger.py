@@ -1,5 +1,5 @@
-"""The training worker's MLflow logger: training goes on while the tracking server is
-unreachable.
+"""The training worker's MLflow logging: metrics that outlive a tracking-server outage,
+and the machine's system metrics.
 
 Lightning's MLFlowLogger sends each step's metrics at once and raises when the server does
 not answer. This one keeps a batch that could not be sent (each metric with its own step
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 MAX_PENDING = 100_000  # metrics kept while the server is unreachable
 BATCH_LIMIT = 1000  # metrics per log_batch call (MLflow's limit)
 HTTP_RETRIES, HTTP_TIMEOUT_S = "1", "10"
+NOT_METRICS = ("epoch",)  # Lightning adds the epoch to every log; the step says where a metric is
 METRIC_NAME_DROP = re.compile(r"[^a-zA-Z0-9_/. -]+")  # characters MLflow refuses in names
 
 
@@ -43,7 +44,7 @@ class BufferedMLFlowLogger(MLFlowLogger):
         now = int(time.time() * 1000)
         self.pending += [
             Metric(key=METRIC_NAME_DROP.sub("", k), value=float(v), timestamp=now, step=step or 0)
-            for k, v in metrics.items() if not isinstance(v, str)
+            for k, v in metrics.items() if not isinstance(v, str) and k not in NOT_METRICS
         ]
         self.flush()
 
@@ -76,3 +77,32 @@ class BufferedMLFlowLogger(MLFlowLogger):
             super().finalize(status)
         except Exception as e:
             warnings.warn(f"MLflow tracking server unreachable at the end ({type(e).__name__}): run status not set")
+
+
+def start_system_metrics(tracking_uri: str, run_id: str, node: int | None = None):
+    """MLflow's system-metrics monitor (CPU, memory, disk, network; GPU utilization and
+    memory through NVML where there are GPUs) logging `system/...` into the run every
+    MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds (10) from a background thread, as
+    `system/node<N>/...` when `node` is given (one per node of a multi-node job). Returns
+    the monitor (its finish() stops it), or None where psutil is missing."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, node_id=None if node is None else f"node{node}", tracking_uri=tracking_uri)
+    except ImportError as e:
+        warnings.warn(f"no system metrics: {e}")
+        return None
+    monitor.start()
+    return monitor
+
+
+def stop_system_metrics(monitor) -> None:
+    """Stops the monitor and logs the samples taken since its last log, so that a run
+    shorter than one logging interval has its system metrics too."""
+    monitor.finish()
+    try:
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
+        monitor.mlflow_logger.flush()
+    except Exception as e:  # the server gone at the end: the metrics are not worth a failed run
+        warnings.warn(f"last system metrics not logged ({type(e).__name__}: {str(e)[:200]})")

@@ -112,14 +112,19 @@ def main(argv=None) -> Path:
     else:
         module = SASRecLightningModule(config, catalog)
 
-    logger = False
+    logger, monitor = False, None
     if args.tracking_uri:
-        from .tracking_logger import BufferedMLFlowLogger, limit_http_retries  # imports mlflow only when asked
+        from .tracking_logger import BufferedMLFlowLogger, limit_http_retries, start_system_metrics  # mlflow only when asked
 
         limit_http_retries()
         logger = BufferedMLFlowLogger(experiment_name="hstu", tracking_uri=args.tracking_uri, run_id=args.run_id)
         prefix = "model/" if args.model == "hstu" else f"{args.model}/"
         logger.log_hyperparams({f"{prefix}{k}": v for k, v in config.to_dict().items()})
+        nodes = max(1, world // per_node)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and (args.run_id or int(os.environ.get("RANK", "0")) == 0):
+            # one monitor per node: the machine's, not the process's, figures
+            monitor = start_system_metrics(args.tracking_uri, args.run_id or logger.run_id,
+                                           node=int(os.environ.get("GROUP_RANK", "0")) if nodes > 1 else None)
 
     validation = Validation(args.data_dir, args.val_every, args.val_users, MONITOR, args.patience)
     checkpoints = EpochCheckpoint(ckpt_dir, validation, every_steps=args.checkpoint_every, every_minutes=args.checkpoint_minutes)
@@ -142,7 +147,13 @@ def main(argv=None) -> Path:
     resume = latest_checkpoint(ckpt_dir)
     if resume and trainer.is_global_zero:
         print(f"resuming from {resume}", flush=True)
-    trainer.fit(module, datamodule=data, ckpt_path=resume, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=resume, weights_only=True)
+    finally:
+        if monitor is not None:
+            from .tracking_logger import stop_system_metrics
+
+            stop_system_metrics(monitor)
     best = checkpoints.best_path
     if best is not None:  # the model of the best validation, not the last epoch's
         if trainer.is_global_zero:

@@ -32,14 +32,10 @@ def run_local(
     work.mkdir(parents=True, exist_ok=True)
     embedded = not tracking_uri
     tracking_uri = tracking_uri or tracking.default_tracking_uri(work)
-    params = {
-        "dataset": dataset, "workers": workers, "epochs": epochs, "preset": preset,
-        "seed": seed, "patience": patience, "baselines": baselines, "extra_args": extra_args, "work_dir": str(work),
-    }
+    # made here for its artifact location; the pipeline logs its parameters and ends it
     run_id = tracking.start_run(
         tracking_uri, run_name=f"{dataset}-{preset}", artifact_root=str(work / "mlartifacts") if embedded else None
     )
-    tracking.log_params(tracking_uri, run_id, {"pipeline_" + k: v for k, v in params.items()})
     # the local runner starts each step with `python3` from PATH: make it this interpreter
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(work / "kfp"))
@@ -51,9 +47,8 @@ def run_local(
             baselines=baselines, extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id,
         )
     except BaseException:
-        tracking.finish_run(tracking_uri, run_id, "FAILED")
+        tracking.finish_run(tracking_uri, run_id, "FAILED")  # where the runner stopped before the pipeline's exit task
         raise
-    tracking.finish_run(tracking_uri, run_id)
     results = json.loads((work / "evaluation" / "metrics.json").read_text())
     results |= {"run_id": run_id, "tracking_uri": tracking_uri, "seed": seed}
     (work / "metrics.json").write_text(json.dumps(results, indent=2))

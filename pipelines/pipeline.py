@@ -1,4 +1,6 @@
-"""The pipeline: prepare_data → train (and train_baselines beside it) → dump → evaluate → export."""
+"""The pipeline: prepare_data → train (and train_baselines beside it) → dump → evaluate → export,
+all logging into one MLflow run that the pipeline opens (when given a tracking URI) and
+ends, FINISHED or FAILED, whatever happens."""
 from kfp import compiler, dsl
 
 from components import kfp_components
@@ -37,40 +39,51 @@ def build(image: str = DEFAULT_IMAGE, pvc: str | None = None, mount_path: str = 
         launcher: str = "local",
         job_spec: str = "",
     ):
-        prep = on_volume(
-            ops["prepare_data"](
-                dataset=dataset, work_dir=work_dir, data_dir=data_dir, input_file=input_file,
-                seed=seed, synthetic_users=synthetic_users, tracking_uri=tracking_uri, run_id=run_id,
+        # the MLflow run: opened first (or the caller's, run_id), ended whatever happens
+        close = ops["close_run"](tracking_uri=tracking_uri, pipeline_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+        close.set_caching_options(False)
+        with dsl.ExitHandler(close, name="tracked"):
+            opened = ops["open_run"](
+                tracking_uri=tracking_uri, run_id=run_id, pipeline_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER, work_dir=work_dir,
+                dataset=dataset, workers=workers, preset=preset, epochs=epochs, patience=patience, seed=seed,
+                baselines=baselines, extra_args=extra_args,
             )
-        )
-        train = on_volume(
-            ops["train"](
-                data_dir=prep.output, work_dir=work_dir, workers=workers, preset=preset, epochs=epochs, patience=patience, seed=seed,
-                extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id, launcher=launcher, job_spec=job_spec,
+            opened.set_caching_options(False)
+            run = opened.output
+            prep = on_volume(
+                ops["prepare_data"](
+                    dataset=dataset, work_dir=work_dir, data_dir=data_dir, input_file=input_file,
+                    seed=seed, synthetic_users=synthetic_users, tracking_uri=tracking_uri, run_id=run,
+                )
             )
-        )
-        train.set_caching_options(False)
-        trained_baselines = on_volume(
-            ops["train_baselines"](
-                data_dir=prep.output, work_dir=work_dir, baselines=baselines, workers=workers, epochs=epochs,
-                patience=patience, seed=seed, extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id, launcher=launcher,
-                job_spec=job_spec,
+            train = on_volume(
+                ops["train"](
+                    data_dir=prep.output, work_dir=work_dir, workers=workers, preset=preset, epochs=epochs, patience=patience,
+                    seed=seed, extra_args=extra_args, tracking_uri=tracking_uri, run_id=run, launcher=launcher, job_spec=job_spec,
+                )
             )
-        )
-        trained_baselines.set_caching_options(False)
-        dump = on_volume(ops["dump"](train_dir=train.output, work_dir=work_dir, tracking_uri=tracking_uri, run_id=run_id))
-        evaluation = on_volume(
-            ops["evaluate"](
-                model_dir=dump.output, data_dir=prep.output, baselines=baselines, baselines_dir=trained_baselines.output,
-                work_dir=work_dir, tracking_uri=tracking_uri, run_id=run_id,
+            train.set_caching_options(False)
+            trained_baselines = on_volume(
+                ops["train_baselines"](
+                    data_dir=prep.output, work_dir=work_dir, baselines=baselines, workers=workers, epochs=epochs,
+                    patience=patience, seed=seed, extra_args=extra_args, tracking_uri=tracking_uri, run_id=run,
+                    launcher=launcher, job_spec=job_spec,
+                )
             )
-        )
-        on_volume(
-            ops["export"](
-                model_dir=dump.output, data_dir=prep.output, metrics_file=evaluation.output,
-                work_dir=work_dir, tracking_uri=tracking_uri, run_id=run_id,
+            trained_baselines.set_caching_options(False)
+            dump = on_volume(ops["dump"](train_dir=train.output, work_dir=work_dir, tracking_uri=tracking_uri, run_id=run))
+            evaluation = on_volume(
+                ops["evaluate"](
+                    model_dir=dump.output, data_dir=prep.output, baselines=baselines, baselines_dir=trained_baselines.output,
+                    work_dir=work_dir, tracking_uri=tracking_uri, run_id=run,
+                )
             )
-        )
+            on_volume(
+                ops["export"](
+                    model_dir=dump.output, data_dir=prep.output, metrics_file=evaluation.output,
+                    work_dir=work_dir, tracking_uri=tracking_uri, run_id=run,
+                )
+            )
 
     return hstu_pipeline
 

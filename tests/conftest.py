@@ -1,5 +1,6 @@
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ if not os.path.exists("/dev/nvidia0"):
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(ROOT))  # benchmarks/ (not an installed package) for the tests that reuse its helpers
 
 
 def free_port() -> int:
@@ -52,3 +54,123 @@ def poisoned_memory():
     torch.utils.deterministic.fill_uninitialized_memory = True
     yield
     torch.use_deterministic_algorithms(before)
+
+
+# ---- real services: PostgreSQL and an MLflow tracking server -------------------------------
+POSTGRES_USER = "mlflow"
+
+
+def _postgres_bin(name: str) -> str | None:
+    import glob
+    import shutil
+
+    found = shutil.which(name) or sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server of this test process (Debian's `postgresql` package; .ci/run
+    installs it) on a free local port, trust-authenticated for POSTGRES_USER, removed at
+    the end. Yields a function that creates a database and returns its SQLAlchemy URI
+    for psycopg. As root, the server runs as the `postgres` system user (initdb refuses root)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+    if not (initdb and pg_ctl):
+        pytest.skip("PostgreSQL is not installed (.ci/run installs Debian's postgresql)")
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    root = Path(tempfile.mkdtemp(prefix="hstu-postgres-"))
+    if as_user:
+        shutil.chown(root, "postgres")
+    data, port = root / "data", free_port()
+    subprocess.run([*as_user, initdb, "-D", str(data), "-U", POSTGRES_USER, "-A", "trust", "--no-sync", "-E", "UTF8"],
+                   check=True, capture_output=True)
+    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
+    subprocess.run([*as_user, pg_ctl, "-D", str(data), "-l", str(root / "log"), "-o", options, "-w", "start"],
+                   check=True, capture_output=True)
+    created = []
+
+    def database(name: str) -> str:
+        import psycopg
+
+        with psycopg.connect(f"host=127.0.0.1 port={port} user={POSTGRES_USER} dbname=postgres", autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        created.append(name)
+        return f"postgresql+psycopg://{POSTGRES_USER}@127.0.0.1:{port}/{name}"
+
+    try:
+        yield database
+    finally:
+        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def start_mlflow_server(backend_uri: str, artifacts: Path, port: int):
+    """`mlflow server` on a backend store, serving its artifacts from `artifacts`; returns
+    once it answers /health."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri, "--artifacts-destination", str(artifacts),
+         "--serve-artifacts", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return server
+        except OSError:
+            assert server.poll() is None, "mlflow server exited"
+            time.sleep(0.5)
+    server.kill()
+    raise TimeoutError("mlflow server did not start")
+
+
+def stop_server(server) -> None:
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def check_run_page(tracking_uri: str, run_id: str, data_dir, system_metrics: bool = True) -> None:
+    """What the run's and the registered model's pages show: the code version and source,
+    the prepared data as dataset inputs, system metrics, no `epoch` metric, and a model
+    with a signature, its requirements and the run's final (test) metrics."""
+    import json
+
+    import mlflow
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    mlflow.set_tracking_uri(tracking_uri)
+    run = client.get_run(run_id)
+    tags = run.data.tags
+    assert tags["mlflow.user"] and tags["mlflow.source.name"] and tags["mlflow.source.git.commit"]
+    assert tags["hstu.version"] == "0.1.0"
+    contexts = {d.dataset.name: {t.value for t in d.tags} for d in run.inputs.dataset_inputs}
+    assert contexts == {"synthetic-train": {"training"}, "synthetic-valid": {"validation"}, "synthetic-test": {"testing"}}
+    train_input = next(d.dataset for d in run.inputs.dataset_inputs if d.dataset.name == "synthetic-train")
+    assert json.loads(train_input.profile)["num_rows"] == len(pd.read_parquet(data_dir / "train.parquet"))
+    assert "epoch" not in run.data.metrics
+    if system_metrics:
+        assert "system/cpu_utilization_percentage" in run.data.metrics and "system/system_memory_usage_megabytes" in run.data.metrics
+
+    version = client.get_model_version("hstu", run.data.params["registered_model_version"])
+    [output] = run.outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    linked = {m.key: m.value for m in model.metrics}
+    assert linked["test/hr_at_10"] == pytest.approx(run.data.metrics["test/hr_at_10"])  # the final metrics, not step 0's
+    assert "data/users" not in linked
+    info = mlflow.models.get_model_info(version.source)
+    assert [c.name for c in info.signature.inputs.inputs] == ["history", "k"] and info.signature.outputs is not None
+    requirements = mlflow.pyfunc.get_model_dependencies(version.source)
+    with open(requirements) as f:
+        names = {line.split("==")[0].split(";")[0].strip() for line in f if line.strip() and not line.startswith("-")}
+    assert {"torch", "safetensors", "numpy", "mlflow"} <= names

@@ -12,6 +12,7 @@ from kfp import components as kfp_components
 from mlflow.tracking import MlflowClient
 
 from components import pytorchjob, trainjob
+from conftest import check_run_page
 from kernels.dynamic_embedding import read_manifest
 from lightning_modules.export import Recommender
 from pipelines.cli import main as hstu
@@ -69,6 +70,7 @@ def test_mlflow_run_has_params_curves_metrics_artifacts_and_a_registered_model(p
     assert run.data.metrics["emb/size"] > 0
     assert {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")} == {
         "evaluation/metrics.json", "evaluation/training_curve.png"}
+    check_run_page(results["tracking_uri"], run.info.run_id, pipeline_run / "data")  # the same as on a server
     version = client.get_model_version("hstu", run.data.params["registered_model_version"])
     assert version.run_id == run.info.run_id
     mlflow.set_tracking_uri(results["tracking_uri"])
@@ -96,10 +98,13 @@ def test_compiled_pipeline_loads_back_with_kfp(tmp_path):
     component = kfp_components.load_component_from_file(str(path))
     assert component.name == "hstu-train-evaluate-export"
     docs = list(yaml.safe_load_all(path.read_text()))
-    tasks = docs[0]["root"]["dag"]["tasks"]
-    assert set(tasks) == {"prepare-data", "train", "train-baselines", "dump", "evaluate", "export"}
-    assert tasks["export"]["dependentTasks"] == ["dump", "evaluate", "prepare-data"]
-    assert tasks["evaluate"]["dependentTasks"] == ["dump", "prepare-data", "train-baselines"]
+    root = docs[0]["root"]["dag"]["tasks"]
+    assert set(root) == {"exit-handler-1", "close-run"}  # the steps, then the MLflow run's end whatever happened
+    assert root["close-run"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
+    tasks = docs[0]["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    assert set(tasks) == {"open-run", "prepare-data", "train", "train-baselines", "dump", "evaluate", "export"}
+    assert tasks["export"]["dependentTasks"] == ["dump", "evaluate", "open-run", "prepare-data"]
+    assert tasks["evaluate"]["dependentTasks"] == ["dump", "open-run", "prepare-data", "train-baselines"]
     executors = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     assert all(e["pvcMount"][0]["constant"] == "hstu-work" for e in executors.values()) and len(executors) == 6
     images = {e["container"]["image"] for e in docs[0]["deploymentSpec"]["executors"].values()}
@@ -162,6 +167,41 @@ def test_gpu_pods_run_a_process_per_gpu_as_a_non_root_user_and_elastic_jobs_rend
                          (["--gpus", "2", "--nproc-per-node", "4"], "more than the pod's 2 GPUs")):
         with pytest.raises(SystemExit, match=message):
             hstu(["manifest", "--data-dir", "/d", "--out-dir", "/o", "--nodes", "3", *bad])
+
+
+@pytest.mark.parametrize("api", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_jobs_of_8_gpu_nodes_run_8_processes_per_node_non_root_with_shared_memory(tmp_path, api, nodes, crd, trainer_crds):
+    """1 and 4 nodes of 8 GPUs, either training API: 8 processes per node (the process
+    count the controller hands torchrun), 8 GPUs per pod, a memory-backed /dev/shm, a
+    non-root read-only container, and the object valid for its CRD."""
+    out = tmp_path / "job.yaml"
+    hstu(["manifest", "--api", api, "--data-dir", "/d", "--out-dir", "/o", "--nodes", str(nodes), "--gpus", "8", "-o", str(out)])
+    if api == "pytorchjob":
+        job = yaml.safe_load(out.read_text())
+        pytorchjob.validate(job, crd)
+        replicas = job["spec"]["pytorchReplicaSpecs"]
+        assert sum(r["replicas"] for r in replicas.values()) == nodes and replicas["Master"]["replicas"] == 1
+        envs = [e for _, e in replica_envs(job, master_port=29400)]
+        assert {e["WORLD_SIZE"] for e in envs} == {str(8 * nodes)}  # processes in all
+        pods = [r["template"]["spec"] for r in replicas.values()]
+        limits = [p["containers"][0]["resources"]["limits"] for p in pods]
+    else:
+        runtime, job = yaml.safe_load_all(out.read_text())
+        trainjob.validate(job, runtime, *(yaml.safe_load(f.read_text()) for f in trainer_crds))
+        assert job["spec"]["trainer"]["numNodes"] == nodes
+        envs = [e for _, e in trainjob.node_envs(job, master_port=29400)]
+        pods = [runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]]
+        limits = [job["spec"]["trainer"]["resourcesPerNode"]["limits"]]
+    assert len(envs) == nodes and {(e["PET_NNODES"], e["PET_NPROC_PER_NODE"]) for e in envs} == {(str(nodes), "8")}
+    assert sorted(int(e["PET_NODE_RANK"]) for e in envs) == list(range(nodes))
+    assert all(limit["nvidia.com/gpu"] == "8" for limit in limits)
+    for pod in pods:
+        container = pod["containers"][0]
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == pytorchjob.USER_ID
+        assert container["securityContext"]["readOnlyRootFilesystem"] and not container["securityContext"]["allowPrivilegeEscalation"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert {v["name"]: v for v in pod["volumes"]}[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
 
 
 def test_invalid_manifests_are_refused(crd):
@@ -262,9 +302,10 @@ KUBERNETES_VERSION = "1.32"  # the schemas the core objects are held to (Debian'
 
 
 def test_kustomize_trees_build_with_the_rendered_jobs(crd, trainer_crds):
-    """`kubectl kustomize` of every tree: each holds the platform and its job, the overlays
-    patch the PyTorchJob, the cluster-scoped runtime gets no namespace, and the custom
-    objects validate against their CRDs."""
+    """`kubectl kustomize` of every tree: each holds the platform (MLflow on PostgreSQL) and
+    its job, the overlays patch the PyTorchJob or MLflow's artifact store, the
+    cluster-scoped runtime gets no namespace, and every object validates: the custom ones
+    against their CRDs, the core ones against Kubernetes' own schemas."""
     import shutil
     import subprocess
 
@@ -276,22 +317,43 @@ def test_kustomize_trees_build_with_the_rendered_jobs(crd, trainer_crds):
 
     def build(tree: str) -> dict:
         out = subprocess.run(["kubectl", "kustomize", str(manifests / tree)], check=True, capture_output=True, text=True).stdout
-        return {d["kind"]: d for d in yaml.safe_load_all(out) if d}
+        return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
 
-    platform = {"Namespace", "ServiceAccount", "Role", "RoleBinding", "Service", "PersistentVolumeClaim", "Deployment"}
-    base, gpu, v2 = build("base"), build("overlays/gpu"), build("trainer-v2")
-    assert set(base) == platform | {"PyTorchJob"} and set(v2) == platform | {"ClusterTrainingRuntime", "TrainJob"}
-    assert base["PyTorchJob"]["spec"] == yaml.safe_load((manifests / "base" / "pytorchjob.yaml").read_text())["spec"]
-    assert gpu["PyTorchJob"]["spec"]["nprocPerNode"] == "8"
-    worker = gpu["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    trees = {t: build(t) for t in ("base", "overlays/cpu", "overlays/gpu", "overlays/s3-artifacts", "trainer-v2")}
+    base, gpu, s3, v2 = trees["base"], trees["overlays/gpu"], trees["overlays/s3-artifacts"], trees["trainer-v2"]
+    platform = {k for k in base if k[0] != "PyTorchJob"}
+    assert {k for k in v2 if k[0] not in ("ClusterTrainingRuntime", "TrainJob")} == platform
+    assert {("StatefulSet", "mlflow-postgres"), ("Secret", "mlflow-db"), ("Deployment", "mlflow")} <= platform
+    job = base[("PyTorchJob", "hstu-train")]
+    assert job["spec"] == yaml.safe_load((manifests / "base" / "pytorchjob.yaml").read_text())["spec"]
+    assert gpu[("PyTorchJob", "hstu-train")]["spec"]["nprocPerNode"] == "8"
+    worker = gpu[("PyTorchJob", "hstu-train")]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8" and worker["volumes"][0]["name"] == "dshm"
-    assert "namespace" not in v2["ClusterTrainingRuntime"]["metadata"] and v2["TrainJob"]["metadata"]["namespace"] == "hstu"
-    for tree in (base, gpu, build("overlays/cpu")):
-        pytorchjob.validate(tree["PyTorchJob"], crd)
-    trainjob.validate(v2["TrainJob"], v2["ClusterTrainingRuntime"], *(yaml.safe_load(f.read_text()) for f in trainer_crds))
-    # the core objects against Kubernetes' own schemas, unknown fields refused
-    for kind in platform:
-        kubernetes_validate.validate(base[kind], KUBERNETES_VERSION, strict=True)
+    assert "namespace" not in v2[("ClusterTrainingRuntime", "hstu-torch-distributed")]["metadata"]
+    assert v2[("TrainJob", "hstu-train")]["metadata"]["namespace"] == "hstu"
+
+    # MLflow: runs in PostgreSQL, artifacts on the server's volume (or in S3), probes, non-root
+    mlflow_pod = base[("Deployment", "mlflow")]["spec"]["template"]["spec"]
+    server = mlflow_pod["containers"][0]
+    assert any(a.startswith("postgresql+psycopg://$(DB_USER):$(DB_PASSWORD)@mlflow-postgres:5432/") for a in server["args"])
+    assert server["args"][server["args"].index("--artifacts-destination") + 1] == "/data/artifacts"
+    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    postgres = base[("StatefulSet", "mlflow-postgres")]["spec"]["template"]["spec"]
+    assert "pg_isready" in postgres["containers"][0]["readinessProbe"]["exec"]["command"][-1]
+    for pod in (mlflow_pod, postgres):
+        assert pod["securityContext"]["runAsNonRoot"] and pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"]
+    s3_server = s3[("Deployment", "mlflow")]["spec"]["template"]["spec"]["containers"][0]
+    assert s3_server["args"][s3_server["args"].index("--artifacts-destination") + 1].startswith("s3://")
+    assert ("PersistentVolumeClaim", "mlflow-data") not in s3 and not s3_server.get("volumeMounts", [{}])[0].get("mountPath") == "/data"
+
+    for name, tree in trees.items():
+        for (kind, _), obj in tree.items():
+            if kind == "PyTorchJob":
+                pytorchjob.validate(obj, crd)
+            elif kind not in ("ClusterTrainingRuntime", "TrainJob"):  # unknown fields refused
+                kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    trainjob.validate(v2[("TrainJob", "hstu-train")], v2[("ClusterTrainingRuntime", "hstu-torch-distributed")],
+                      *(yaml.safe_load(f.read_text()) for f in trainer_crds))
 
 
 def test_submit_creates_the_job_and_waits():

@@ -1,54 +1,55 @@
-"""Training against a real `mlflow server` that goes away mid-run and comes back: the run
-finishes, and the metrics logged while the server was away reach it once it is back."""
-import socket
+"""The project against MLflow as a platform runs it: a real `mlflow server` on a real
+PostgreSQL. A whole pipeline run logs what a user looks for first (final metrics, curves,
+data, code version, system metrics, a servable registered model), and training outlives
+the server going away mid-run."""
+import json
 import subprocess
 import sys
 import time
-import urllib.request
 
+import mlflow
+import pandas as pd
+import pytest
 from mlflow.tracking import MlflowClient
 
+from conftest import check_run_page, free_port, start_mlflow_server, stop_server
 from pipelines.cli import main as hstu
 
 TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
 EPOCHS = 40  # long enough to go on well after the server is back (a restart takes seconds)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(store, port: int) -> subprocess.Popen:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-         "--default-artifact-root", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return server
-        except OSError:
-            assert server.poll() is None, "mlflow server exited"
-            time.sleep(0.5)
-    raise TimeoutError("mlflow server did not start")
-
-
-def stop(server: subprocess.Popen) -> None:
-    server.terminate()
-    server.wait(timeout=30)
-
-
-def test_training_outlives_a_tracking_server_outage(tmp_path):
-    data, out, store = tmp_path / "data", tmp_path / "train", tmp_path / "mlflow"
-    store.mkdir()
-    hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "60", "--out", str(data)])
+def test_pipeline_run_on_a_postgres_backed_tracking_server(tmp_path, postgres, monkeypatch):
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    server = start_server(store, port)
+    server = start_mlflow_server(postgres("pipeline"), tmp_path / "artifacts", port)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    try:
+        work = tmp_path / "run"
+        hstu(["run", "--dataset", "synthetic", "--synthetic-users", "48", "--work-dir", str(work), "--workers", "1",
+              "--epochs", "2", "--baselines", "most-popular", "--train-args", TINY, "--tracking-uri", uri])
+        results = json.loads((work / "metrics.json").read_text())
+        client = MlflowClient(uri)
+        run = client.get_run(results["run_id"])
+        assert run.info.status == "FINISHED" and results["tracking_uri"] == uri
+        assert run.data.metrics["test/ndcg_at_10"] == pytest.approx(results["model"]["ndcg@10"])
+        assert len(client.get_metric_history(run.info.run_id, "val/ndcg_at_10")) == 2
+        check_run_page(uri, run.info.run_id, work / "data")
+        # the registered model serves from the registry, its artifacts through the server
+        served = mlflow.pyfunc.load_model(f"models:/hstu/{run.data.params['registered_model_version']}")
+        history = pd.read_parquet(work / "data" / "test.parquet")["item_ids"][0].tolist()[:-1]
+        top = served.predict(pd.DataFrame({"history": [history], "k": [5]}))[0]
+        assert len(top) == 5 and not set(top) & set(history)
+    finally:
+        stop_server(server)
+
+
+def test_training_outlives_a_tracking_server_outage(tmp_path, postgres):
+    data, out = tmp_path / "data", tmp_path / "train"
+    hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "60", "--out", str(data)])
+    port, backend = free_port(), postgres("outage")
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(backend, tmp_path / "artifacts", port)
     train = subprocess.Popen(
         [sys.executable, "-m", "lightning_modules.train", "--data-dir", str(data), "--out-dir", str(out), "--epochs", str(EPOCHS),
          "--tracking-uri", uri, "--no-progress-bar", *TINY.split()],
@@ -59,11 +60,11 @@ def test_training_outlives_a_tracking_server_outage(tmp_path):
         while not (out / "checkpoints" / "epoch=0000.ckpt").exists():  # one epoch logged with the server up
             assert train.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        stop(server)
+        stop_server(server)
         while not (out / "checkpoints" / "epoch=0002.ckpt").exists():  # two more trained without it
             assert train.poll() is None and time.monotonic() < deadline, "training stopped with the server"
             time.sleep(0.1)
-        server = start_server(store, port)
+        server = start_mlflow_server(backend, tmp_path / "artifacts", port)  # the same database: nothing lost
         log, _ = train.communicate(timeout=300)
         assert train.returncode == 0, log[-3000:]
         assert "MLflow tracking server unreachable" in log and "MLflow tracking server back" in log
@@ -74,7 +75,29 @@ def test_training_outlives_a_tracking_server_outage(tmp_path):
     finally:
         train.kill()
         if server.poll() is None:
-            stop(server)
+            stop_server(server)
     assert run.info.status == "FINISHED"
     assert len(epochs) == EPOCHS  # every epoch's validation, those of the outage included
     assert losses == sorted(set(losses)) and len(losses) >= EPOCHS * 7  # every step's loss (60 users / 8 per step)
+
+
+def test_a_pipeline_run_without_a_run_id_opens_one_and_ends_it(tmp_path):
+    """The cluster path (`hstu submit` with a tracking URI): the pipeline's first task makes
+    the run, tagged with the Kubeflow run, a retried task finds the same one, and the exit
+    task ends it FAILED when a step failed."""
+    from components import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert tracking.open_pipeline_run("", "", "kfp-1", "x", {}) == ""  # no tracking URI: no run
+    params = {"dataset": "ml-1m", "epochs": 3}
+    run_id = tracking.open_pipeline_run(uri, "", "kfp-1", "ml-1m-hstu", params)
+    assert tracking.open_pipeline_run(uri, "", "kfp-1", "ml-1m-hstu", params) == run_id
+    other = tracking.open_pipeline_run(uri, "", "kfp-2", "ml-1m-hstu", params)
+    assert other != run_id
+    tracking.close_pipeline_run(uri, "kfp-1", succeeded=False)
+    tracking.close_pipeline_run(uri, "kfp-2", succeeded=True)
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and client.get_run(other).info.status == "FINISHED"
+    assert run.info.run_name == "ml-1m-hstu" and run.data.params == {"pipeline_dataset": "ml-1m", "pipeline_epochs": "3"}
+    assert run.data.tags[tracking.PIPELINE_RUN_TAG] == "kfp-1" and "mlflow.source.git.commit" in run.data.tags
