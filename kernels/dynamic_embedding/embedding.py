@@ -133,6 +133,17 @@ class EmbeddingConfig:
         return EmbeddingConfig(**d)
 
 
+def initial_embeddings(keys: torch.Tensor, config: EmbeddingConfig) -> torch.Tensor:
+    """(N, dim) float32: the embedding an id starts from, a function of its key and the
+    config's seed alone: uniform on (-s, s) with standard deviation init_std."""
+    return ((2 * uniform_from_keys(keys, config.dim, config.seed) - 1) * init_scale(config)).to(torch.float32)
+
+
+def init_scale(config: EmbeddingConfig) -> float:
+    """s of the initial uniform on (-s, s): its standard deviation is init_std."""
+    return 3**0.5 * config.init_std
+
+
 @dataclass
 class TableStats:
     size: int = 0
@@ -208,8 +219,8 @@ class DynamicEmbedding:
 
     def initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Fresh rows for keys: seeded embedding (a function of key and seed) + zero state."""
-        seed, scale, dim = self._init
-        emb = ((2 * uniform_from_keys(keys, dim, seed) - 1) * scale).to(torch.float32)
+        emb = initial_embeddings(keys, self.config)
+        dim = self.dim
         state = optimizers.initial_state(self.config.optimizer, keys.numel(), dim, torch.float32, keys.device)
         return torch.cat([emb, state], 1)
 
@@ -282,7 +293,7 @@ class DynamicEmbedding:
     def _init(self) -> tuple[int, float, int]:
         """What a row's initial embedding is a function of besides its key: seed, scale (a
         uniform on (-scale, scale) has std init_std) and dim."""
-        return self.config.seed, 3**0.5 * self.config.init_std, self.dim
+        return self.config.seed, init_scale(self.config), self.dim
 
     def _rows_off_device(self, keys: torch.Tensor, take: bool) -> tuple[torch.Tensor, torch.Tensor | int]:
         """Rows for keys without a device row: their host row where the host tier stores

@@ -1,0 +1,98 @@
+"""The disk tier of the inference table: int64 id → embedding row in LMDB.
+
+LMDB (through `lmdb`) is a memory-mapped B+tree: readers never block and never take a
+lock, one writer commits at a time, and a read transaction sees the database as it was
+when it began. That is what serving asks of its last tier: many request threads reading,
+a stream of updates writing, and a request that begins after an update's commit seeing
+it. It was chosen over RocksDB (`rocksdict`) by measurement: batched point reads several
+times faster for the same bulk load (benchmarks/disk_store.py, its note).
+
+Keys are stored as 8 big-endian bytes of the id with its sign bit flipped, so that byte
+order is numeric order (a sorted bulk load appends); values are the row's float32 bytes.
+"""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAP_SIZE = 1 << 40  # the memory map's reservation (virtual; the file grows as rows are written)
+SIGN_BIT = np.uint64(1 << 63)
+WRITE_CHUNK = 1 << 16  # rows per write transaction in a bulk load
+
+
+def key_bytes(ids: np.ndarray) -> list[bytes]:
+    """int64 ids → their 8-byte keys (byte order = numeric order)."""
+    raw = (np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64) ^ SIGN_BIT).astype(">u8").tobytes()
+    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
+
+
+class DiskStore:
+    """Rows of one embedding table on disk, at `path` (a directory)."""
+
+    def __init__(self, path: str | Path, dim: int, create: bool = False, map_size: int = MAP_SIZE):
+        import lmdb  # only where a disk tier is used
+
+        self.path, self.dim = Path(path), dim
+        if not create and not (self.path / "data.mdb").is_file():
+            raise FileNotFoundError(f"{self.path}: no disk store (data.mdb) here")
+        self.path.mkdir(parents=True, exist_ok=True)
+        # sync off: a store is rebuilt from its dump, never recovered after a crash
+        self.env = lmdb.open(str(self.path), map_size=map_size, readahead=False, sync=False, metasync=False,
+                             max_readers=1024, lock=True)
+        self.row_bytes = dim * 4
+
+    @staticmethod
+    def build(path: str | Path, keys: torch.Tensor, rows: torch.Tensor) -> "DiskStore":
+        """A new store holding rows (N, dim) under distinct keys (N,), written in key order
+        (LMDB's append: no page splits), replacing whatever was at `path`."""
+        shutil.rmtree(path, ignore_errors=True)
+        store = DiskStore(path, rows.shape[1], create=True)
+        keys = keys.detach().cpu().numpy().astype(np.int64)
+        order = np.argsort(keys, kind="stable")
+        values = rows.detach().cpu().to(torch.float32).numpy()
+        for start in range(0, len(order), WRITE_CHUNK):
+            part = order[start : start + WRITE_CHUNK]
+            data = np.ascontiguousarray(values[part]).tobytes()
+            rb = store.row_bytes
+            with store.env.begin(write=True) as txn:
+                txn.cursor().putmulti(zip(key_bytes(keys[part]), (data[i * rb : (i + 1) * rb] for i in range(len(part)))),
+                                      append=True)
+        return store
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows (N, dim) float32, found (N,) bool) on the CPU; rows of ids not stored are
+        zeros. One read transaction: a consistent view of the store."""
+        flat = ids.detach().cpu().numpy()
+        with self.env.begin() as txn:
+            values = [txn.get(k) for k in key_bytes(flat)]
+        found = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        rows = np.zeros((len(values), self.dim), dtype=np.float32)
+        if found.any():
+            rows[found] = np.frombuffer(b"".join(v for v in values if v is not None), dtype=np.float32).reshape(-1, self.dim)
+        return torch.from_numpy(rows), torch.from_numpy(found)
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Stores rows under ids (the last copy of an id wins), in one transaction: a read
+        that begins after this returns sees all of them, one that began before sees none."""
+        flat = ids.detach().cpu().numpy()
+        data = rows.detach().cpu().to(torch.float32).contiguous().numpy().tobytes()
+        rb = self.row_bytes
+        with self.env.begin(write=True) as txn:
+            for i, k in enumerate(key_bytes(flat)):
+                txn.put(k, data[i * rb : (i + 1) * rb])
+
+    def __len__(self) -> int:
+        return self.env.stat()["entries"]
+
+    def bytes_on_disk(self) -> int:
+        """Disk space the store takes (blocks allocated, not the map's reservation)."""
+        return sum(p.stat().st_blocks * 512 for p in self.path.iterdir() if p.is_file())
+
+    def close(self) -> None:
+        self.env.close()
+
+    def remove(self) -> None:
+        """Closes the store and deletes its files."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
