@@ -18,6 +18,7 @@ from .evaluate import catalog_of, evaluate_rankers, whole_histories
 
 CHECKPOINT_PATTERNS = ("epoch=*.ckpt", "step=*.ckpt")  # each epoch's; the newest within an epoch
 DUMP_PATTERN = "embeddings-step-*"
+LEFTOVER_PATTERNS = (".*.partial*", ".*.old")  # what an interrupted checkpoint or dump leaves
 
 
 class Validation(Callback):
@@ -93,6 +94,14 @@ class EpochCheckpoint(Callback):
         self.best_name: str | None = None
         self.dumps: dict[str, str] = {}  # checkpoint name -> the embedding dump it names
         self._last_save = time.monotonic()
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Removes what a job killed mid-checkpoint left: hidden partial files and dump
+        directories (never loaded: only complete ones are renamed into place)."""
+        if trainer.is_global_zero:
+            for left in [p for pattern in LEFTOVER_PATTERNS for p in self.directory.glob(pattern)]:
+                shutil.rmtree(left) if left.is_dir() else left.unlink()
+        trainer.strategy.barrier()
 
     @property
     def best_path(self) -> Path | None:

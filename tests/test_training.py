@@ -8,6 +8,7 @@ from kernels.dynamic_embedding import read_manifest
 from lightning_modules import model_files
 from lightning_modules.data import Sequences
 from lightning_modules.item_features import ITEMS_FILE, items_table
+from benchmarks import kill_resume
 from pipelines.cli import main as hstu
 
 TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
@@ -54,73 +55,38 @@ def test_two_process_training_resumes_and_dumps_to_one_shard(tmp_path, capfd):
         assert torch.equal(a, b)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (from /proc)."""
-    import os
-
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    out, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        children = [c for c, parent in parents.items() if parent == p]
-        out += children
-        frontier += children
-    return out
-
-
 def test_a_worker_killed_mid_epoch_resumes_from_the_step_checkpoint_bit_for_bit(tmp_path, capfd):
-    import os
-    import shutil
-    import signal
     import subprocess
-    import sys
-    import time
-
-    from kernels.dynamic_embedding import ShardedDynamicEmbedding, load
-    from lightning_modules.config import HSTUConfig
 
     data, train = tmp_path / "data", tmp_path / "train"
     hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "160", "--out", str(data)])
-    command = [shutil.which("hstu", path=os.path.dirname(sys.executable)), "train", "--data-dir", str(data), "--out", str(train),
-               "--workers", "2", "--epochs", "1", "--train-args", TINY + " --checkpoint-every 2"]
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not list((train / "checkpoints").glob("step=*.ckpt")):
-        assert job.poll() is None and time.monotonic() < deadline, "no step checkpoint was written"
-        time.sleep(0.05)
-    workers = [p for p in _descendants(job.pid) if b"lightning_modules.train" in open(f"/proc/{p}/cmdline", "rb").read()
-               and b"torchrun" not in open(f"/proc/{p}/cmdline", "rb").read()]
-    os.kill(workers[-1], signal.SIGKILL)  # one of the two training processes, mid-epoch
-    assert job.wait(timeout=120) != 0
+    job = subprocess.Popen(kill_resume.train_command(data, train, "--checkpoint-every 2"),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    complete, _ = kill_resume.kill_one_worker(job, train / "checkpoints", mid_checkpoint=False, delay_s=0.2)
     assert not list((train / "checkpoints").glob("epoch=*.ckpt"))  # killed within the first epoch
+    assert complete.name.startswith("step=") and kill_resume.latest_checkpoint(train / "checkpoints") == complete
 
-    ckpt = max((train / "checkpoints").glob("step=*.ckpt"))
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    step, dump = state["global_step"], train / "checkpoints" / state["embedding_dump"]
+    step, dump = kill_resume.checkpoint_state(complete)
     # the job again, stopping where it resumes: the model it writes is the resumed state
-    capfd.readouterr()
-    hstu(["train", "--data-dir", str(data), "--out", str(train), "--workers", "2", "--epochs", "1",
-          "--train-args", TINY + f" --max-steps {step}"])
-    captured = capfd.readouterr()
-    assert f"resuming from {ckpt}" in captured.out + captured.err
-    assert trained_steps(train) == step
-    _, items, info = model_files.load_model(train / "model")
-    saved = ShardedDynamicEmbedding(HSTUConfig.from_dict(info["config"]).embedding_config())
-    load(saved, dump)
-    resumed = items.item_table.local.export_rows()
-    at_checkpoint = saved.local.export_rows()
-    a, b = resumed[0].argsort(), at_checkpoint[0].argsort()
-    assert resumed[0].numel() > 0
-    for x, y in zip(resumed, at_checkpoint):
-        assert torch.equal(x[a], y[b])  # keys, rows, optimizer state and scores, bit for bit
+    log = kill_resume.resume_to(data, train, step)
+    assert f"resuming from {complete}" in log and trained_steps(train) == step
+    assert kill_resume.rows_equal_dump(train / "model", dump)  # keys, rows, optimizer state and scores, bit for bit
 
     # and from there the job trains to its end
     hstu(["train", "--data-dir", str(data), "--out", str(train), "--workers", "2", "--epochs", "1", "--train-args", TINY])
     assert trained_steps(train) > step and list((train / "checkpoints").glob("epoch=0000.ckpt"))
+
+
+def test_a_worker_killed_during_a_checkpoint_resumes_from_the_previous_one(tmp_path):
+    """The kill lands while a checkpoint is written (every step checkpoints; the worker is
+    killed once a partial checkpoint shows): the interrupted one is never loaded, the one
+    complete before it is, clean, with every row as it was saved, and the leftovers go."""
+    data, train = tmp_path / "data", tmp_path / "train"
+    hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "160", "--out", str(data)])
+    for _ in range(3):  # a kill can land just after the write it aimed at: try again
+        round_ = kill_resume.one_round(data, train, mid_checkpoint=True, delay_s=0.0)
+        if round_["interrupted_checkpoint"]:
+            break
+    assert round_["interrupted_checkpoint"], "no kill landed during a checkpoint"
+    assert round_["resumed_from_complete"] and round_["resume_logged"] and round_["leftovers_removed"]
+    assert round_["rows_bit_equal"]
