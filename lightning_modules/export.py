@@ -76,7 +76,8 @@ class Recommender:
     def recommend(
         self, history: list[int] | np.ndarray, timestamps: list[int] | None = None, k: int = 10, exclude_history: bool = True
     ) -> list[tuple[int, float]]:
-        """Top-k (item id, cosine score) to follow a history of item ids (oldest first)."""
+        """Top-k (item id, cosine score) to follow a history of item ids (oldest first); the
+        history's items excluded unless exclude_history is False."""
         max_len = self.model.config.max_seq_len
         ids = torch.as_tensor(np.asarray(history, dtype=np.int64)[-max_len:])
         ts = torch.as_tensor(np.asarray(timestamps if timestamps is not None else np.zeros(len(history)), dtype=np.int64)[-max_len:])
@@ -93,4 +94,5 @@ class Recommender:
             known = self.item_ids[pos] == seen
             scores[pos[known]] = float("-inf")
         top = torch.topk(scores, min(k, len(self.item_ids)))
-        return [(int(i), float(s)) for i, s in zip(self.item_ids[top.indices].tolist(), top.values.tolist())]
+        # fewer than k where the history leaves fewer candidates: excluded items never come back
+        return [(int(i), float(s)) for i, s in zip(self.item_ids[top.indices].tolist(), top.values.tolist()) if s != float("-inf")]

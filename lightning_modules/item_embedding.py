@@ -46,15 +46,20 @@ class ItemEmbedding:
     def item_table(self) -> ShardedDynamicEmbedding:
         return self.tables[ITEM]
 
-    def lookup(self, ids: torch.Tensor, train: bool = False) -> ItemLookup:
+    def lookup(self, ids: torch.Tensor, train: bool = False, item_rows=None) -> ItemLookup:
         """Embeddings of item ids (N,). train: rows are created and counted as training
-        uses, and returned as leaves that require gradients (see apply_gradients)."""
+        uses, and returned as leaves that require gradients (see apply_gradients).
+        item_rows: a function ids → item rows that serves them instead of the item table
+        (serving's inference table; the genre table stays this one's)."""
         ids = ids.to(self.device)
         want = {ITEM: ids}
         if self.features is not None:
             genre_ids, bag_offsets = self.features.bags(ids)
             want[GENRE], bag_index = torch.unique(genre_ids, return_inverse=True)
-        rows = self.tables.lookup(want, train)
+        if item_rows is None:
+            rows = self.tables.lookup(want, train)
+        else:
+            rows = self.tables.lookup({n: i for n, i in want.items() if n != ITEM}, train) | {ITEM: item_rows(ids)}
         if train:
             rows = {n: r.requires_grad_(True) for n, r in rows.items()}
         emb = rows[ITEM]
@@ -62,10 +67,11 @@ class ItemEmbedding:
             emb = emb + pool(rows[GENRE], bag_index, bag_offsets, "mean")
         return ItemLookup(emb, want, rows)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """(N, D) embeddings for inference (no rows created, no gradients)."""
+    def embed(self, ids: torch.Tensor, item_rows=None) -> torch.Tensor:
+        """(N, D) embeddings for inference (no rows created, no gradients); item_rows as
+        in lookup."""
         with torch.no_grad():
-            return self.lookup(ids, train=False).embeddings
+            return self.lookup(ids, train=False, item_rows=item_rows).embeddings
 
     def apply_gradients(self, looked: ItemLookup) -> None:
         """One optimizer step of every table from the gradients in a training lookup's rows
@@ -80,9 +86,12 @@ class ItemEmbedding:
         for name, table in self.tables.tables.items():
             dump(table, dump_path(path, name), metadata=metadata, replace=replace)
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path, item_table: bool = True) -> None:
+        """Loads every table's dump; without item_table, the tables besides the item one
+        (serving reads the item rows from its inference table)."""
         for name, table in self.tables.tables.items():
-            load(table, dump_path(path, name))
+            if item_table or name != ITEM:
+                load(table, dump_path(path, name))
 
     def set_epoch(self, epoch: int) -> None:
         self.tables.set_epoch(epoch)

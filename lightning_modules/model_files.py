@@ -82,10 +82,11 @@ def read_info(path: str | Path) -> dict:
     return info
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[HSTU, ItemEmbedding, dict]:
+def load_model(path: str | Path, device: torch.device | str = "cpu", item_table: bool = True) -> tuple[HSTU, ItemEmbedding, dict]:
     """(model in eval mode, its item embeddings, model.json) from a verified model directory.
 
-    The tables take the keys this process owns: all of them without a process group."""
+    The tables take the keys this process owns: all of them without a process group.
+    Without item_table the item table is left empty (serving reads its dump itself)."""
     path = Path(path)
     info = read_info(path)
     config = HSTUConfig.from_dict(info["config"])
@@ -96,7 +97,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[HS
     if "item_features_sha256" in info:
         features = ItemFeatures.from_tensors(load_file(path / FEATURES_FILE), str(path / FEATURES_FILE))
     items = ItemEmbedding(config, device, features)
-    items.load(path / "embeddings")
+    items.load(path / "embeddings", item_table)
     return model, items, info
 
 

@@ -12,6 +12,7 @@ from kernels.dynamic_embedding import DumpError
 from lightning_modules.config import PRESETS
 from components.steps import BASELINES
 from lightning_modules.datasets import DATASETS, DataError
+from lightning_modules.serving import ServingConfig
 
 
 def _add_data_source(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,9 @@ def _elastic(text: str | None) -> tuple[int, int] | None:
     return low, high
 
 
+SERVING = ServingConfig()  # hstu serve's defaults
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hstu", description="HSTU recommenders on dynamic embeddings, as a Kubeflow pipeline")
     parser.add_argument("--debug", action="store_true", help="show an error's traceback, not only its message")
@@ -108,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
     p.add_argument("-k", type=int, default=10)
+
+    p = sub.add_parser("serve", help="an export online over HTTP: recommend, score, health, metrics, updates, snapshots")
+    p.add_argument("--export", required=True, help="the export directory to serve first")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    p.add_argument("--device-rows", type=int, default=SERVING.device_rows, help="item rows cached on the device")
+    p.add_argument("--host-rows", type=int, default=SERVING.host_rows, help="item rows cached in host memory (0: none)")
+    p.add_argument("--missing", default=SERVING.missing, choices=["initial", "zeros"],
+                   help="the row of an id no tier holds: its training-time initial row, or zeros")
+    p.add_argument("--work-dir", default="serve-work", help="where each version's disk store is built")
+    p.add_argument("--max-batch", type=int, default=64, help="requests per device batch at most")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for others to batch with")
 
     p = sub.add_parser("compile", help="the pipeline as Kubeflow IR YAML")
     p.add_argument("--out", required=True)
@@ -194,6 +211,15 @@ def _run(args) -> int:
         from components.steps import export_step
 
         print(export_step(args.model_dir, args.data_dir, args.metrics, args.out))
+    elif args.command == "serve":
+        import torch
+
+        from .serve import serve
+
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        config = ServingConfig(device_rows=args.device_rows, host_rows=args.host_rows, missing=args.missing)
+        serve(args.export, args.host, args.port, config=config, device=device, work_dir=args.work_dir,
+              max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
     elif args.command == "recommend":
         from lightning_modules.export import Recommender
 

@@ -37,6 +37,27 @@ def run_distributed(world: int, fn, *args) -> None:
 
 
 @pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, worker_id):
+    """One whole pipeline run that the pipeline and serving tests read. Under pytest-xdist
+    (make test) the test processes share it: the first to need it runs it, under a lock,
+    the others wait."""
+    from filelock import FileLock
+
+    if worker_id == "master":  # no xdist: this session's own
+        root = tmp_path_factory.mktemp("shared")
+    else:  # the run's base directory, above each worker's own
+        root = tmp_path_factory.getbasetemp().parent
+    work = root / "pipeline-run"
+    with FileLock(str(root / "pipeline-run.lock")):
+        if not (work / "metrics.json").exists():
+            from pipelines.cli import main as hstu
+
+            hstu(["run", "--dataset", "synthetic", "--synthetic-users", "48", "--work-dir", str(work),
+                  "--workers", "1", "--epochs", "2", "--train-args", "--max-seq-len 16 --batch-size 8 --num-negatives 16"])
+    return work
+
+
+@pytest.fixture(scope="session")
 def shared_dir() -> Path:
     if not (SHARED / "datasets").is_dir():
         pytest.skip("../shared/datasets is not present")

@@ -7,7 +7,6 @@ import mlflow
 import pandas as pd
 import pytest
 import yaml
-from filelock import FileLock
 from kfp import components as kfp_components
 from mlflow.tracking import MlflowClient
 
@@ -19,22 +18,6 @@ from pipelines.cli import main as hstu
 from pipelines.launcher import replica_envs
 
 TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
-
-
-@pytest.fixture(scope="session")
-def pipeline_run(tmp_path_factory, worker_id):
-    """One whole pipeline run that this file's tests read. Under pytest-xdist (make test) the
-    test processes share it: the first to need it runs it, under a lock, the others wait."""
-    if worker_id == "master":  # no xdist: this session's own
-        root = tmp_path_factory.mktemp("shared")
-    else:  # the run's base directory, above each worker's own
-        root = tmp_path_factory.getbasetemp().parent
-    work = root / "pipeline-run"
-    with FileLock(str(root / "pipeline-run.lock")):
-        if not (work / "metrics.json").exists():
-            hstu(["run", "--dataset", "synthetic", "--synthetic-users", "48", "--work-dir", str(work),
-                  "--workers", "1", "--epochs", "2", "--train-args", TINY])
-    return work
 
 
 def test_run_writes_metrics_for_the_model_and_both_baselines(pipeline_run):

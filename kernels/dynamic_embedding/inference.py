@@ -144,6 +144,16 @@ class InferenceTable:
                 self._stats.prefetch_hits += int((on_device & torch.isin(uniq, lease.keys.to(self.device))).sum())
             return rows[inverse]
 
+    def peek(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows as lookup serves them, read from the disk store alone: the caches and the
+        statistics are left as they are (bulk reads: a whole catalog)."""
+        with self._lock:
+            rows, found = self.store.read(ids.cpu())
+            rows, found = rows.to(self.device), found.to(self.device)
+            absent = (~found).nonzero().squeeze(1)
+            rows[absent] = self._fallback(ids.to(self.device)[absent])
+            return rows
+
     def acquire(self, ids: torch.Tensor) -> Lease:
         """Brings the rows of ids to the device cache (where their buckets have room) and
         locks them there until release(lease)."""
@@ -202,20 +212,20 @@ class InferenceTable:
             self._stats.updates += ids.numel()
             self._stats.update_lag_s = lag_s
 
-    def apply_dump(self, path: str | Path) -> int:
+    def apply_dump(self, path: str | Path) -> torch.Tensor:
         """Applies a (full or incremental) dump's embeddings as updates; the lag recorded is
-        the dump's age. Returns the rows applied."""
+        the dump's age. Returns the ids applied."""
         path = Path(path)
         manifest = read_manifest(path)
         if manifest["config"]["dim"] != self.dim:
             raise ValueError(f"{path}: dump of dim {manifest['config']['dim']}, table of dim {self.dim}")
-        applied = 0
+        applied = [torch.empty(0, dtype=torch.int64)]
         for entry in manifest["shards"]:
             shard = read_shard(path, entry, self.dim)
             lag = time.time() - (path / "manifest.json").stat().st_mtime
             self.update(shard["keys"], shard["embeddings"], lag_s=lag)
-            applied += shard["keys"].numel()
-        return applied
+            applied.append(shard["keys"])
+        return torch.cat(applied)
 
     # ---- state ----------------------------------------------------------------------------
     def stats(self) -> InferenceStats:
@@ -245,6 +255,12 @@ class InferenceTable:
             self.store.remove() if remove_files else self.store.close()
 
     # ---- inside ---------------------------------------------------------------------------
+    def _fallback(self, keys: torch.Tensor) -> torch.Tensor:
+        """Rows of ids in no tier (see MISSING_ROWS)."""
+        if self.config.missing == "zeros" or keys.numel() == 0:
+            return torch.zeros(keys.numel(), self.dim, device=self.device)
+        return initial_embeddings(keys, self.config.table).to(self.device)
+
     def _caches(self):
         return [c for c in (self.device_cache, self.host_cache) if c is not None]
 
@@ -289,8 +305,7 @@ class InferenceTable:
                 n_disk = got.numel()
                 absent = on_disk[~disk_found]
                 n_missing = absent.numel()
-                if n_missing and self.config.missing == "initial":
-                    below[absent] = initial_embeddings(keys[absent], self.config.table)
+                below[absent] = self._fallback(keys[absent])
                 if self.host_cache is not None and n_disk:
                     evicted = self.host_cache.insert_or_assign(keys[got], below[got], torch.full_like(keys[got], self._clock))
                     self._stats.host_evictions += evicted.keys.numel()
