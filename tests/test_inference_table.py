@@ -24,9 +24,11 @@ def stored(n: int, seed: int, dim: int = DIM):
     return keys, torch.randn(n, dim, generator=g)
 
 
-def table_over(tmp_path, keys, rows, name="store", device_rows=64, host_rows=256, bucket_size=8, missing="initial"):
+def table_over(tmp_path, keys, rows, name="store", device_rows=64, host_rows=256, bucket_size=8, missing="initial",
+               backend="auto"):
     store = DiskStore.build(tmp_path / name, keys, rows)
-    config = InferenceConfig(EmbeddingConfig(dim=rows.shape[1], seed=7), device_rows, host_rows, bucket_size, missing)
+    table = EmbeddingConfig(dim=rows.shape[1], seed=7, backend=backend)
+    config = InferenceConfig(table, device_rows, host_rows, bucket_size, missing)
     return InferenceTable(config, store, DEVICE)
 
 
@@ -137,7 +139,7 @@ def test_threads_of_lookups_updates_and_snapshot_swaps_match_a_dict(tmp_path):
     snapshots.close()
 
 
-def test_a_locked_batch_survives_a_flood_of_other_ids(tmp_path):
+def test_a_locked_batch_survives_a_flood_of_other_ids(tmp_path):  # Triton's tables on a GPU (the interpreter: 12 min)
     keys, rows = stored(2000, seed=3)
     table = table_over(tmp_path, keys, rows, device_rows=64, host_rows=0, bucket_size=8)
     batch = keys[:20]
@@ -225,12 +227,30 @@ def test_serves_a_trained_dump_and_applies_an_incremental_one(tmp_path):
     assert s.device_bytes > 0 and s.host_bytes > 0 and s.disk_bytes > 0 and s.device_rows <= 128
 
 
-def test_statistics_count_each_tier(tmp_path):
+@pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: under the interpreter on CPUs
+def test_statistics_count_each_tier(tmp_path, backend):
     keys, rows = stored(400, seed=6)
-    table = table_over(tmp_path, keys, rows, device_rows=256, host_rows=512, bucket_size=16)
+    table = table_over(tmp_path, keys, rows, device_rows=256, host_rows=512, bucket_size=16, backend=backend)
     table.lookup(keys[:100])  # from disk, copied up to both caches
     table.lookup(keys[:100])  # from the device cache
     s = table.stats()
     assert (s.lookups, s.disk_hits, s.device_hits, s.host_hits, s.missing) == (200, 100, 100, 0, 0)
     assert s.hit_rate("device") == 0.5 and s.host_rows == 100 and s.device_rows == 100
     assert table.lookup(torch.empty(0, dtype=torch.int64)).shape == (0, DIM)
+
+
+def test_the_disk_store_reads_what_it_holds_and_refuses_appends_out_of_order(tmp_path):
+    keys, rows = stored(300, seed=8)
+    store = DiskStore.build(tmp_path / "s", keys, rows)
+    probe = torch.cat([keys[:50], torch.tensor([12345678901])])
+    got, found = store.read(probe)
+    assert torch.equal(got[:50], rows[:50]) and found.tolist() == [True] * 50 + [False] and not got[50].any()
+    store.write(keys[:2], torch.ones(2, DIM))
+    assert torch.equal(store.read(keys[:2])[0], torch.ones(2, DIM)) and len(store) == 300
+    with pytest.raises(ValueError, match="ascending"):
+        store.append(torch.tensor([keys.min() - 1]), torch.zeros(1, DIM))  # below stored keys
+    assert len(store) == 300  # nothing of it written
+    store.remove()
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(FileNotFoundError):
+        DiskStore(tmp_path / "s", DIM)

@@ -302,7 +302,7 @@ def test_kustomize_trees_build_with_the_rendered_jobs(crd, trainer_crds):
         out = subprocess.run(["kubectl", "kustomize", str(manifests / tree)], check=True, capture_output=True, text=True).stdout
         return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
 
-    trees = {t: build(t) for t in ("base", "overlays/cpu", "overlays/gpu", "overlays/s3-artifacts", "trainer-v2")}
+    trees = {t: build(t) for t in ("base", "overlays/cpu", "overlays/gpu", "overlays/s3-artifacts", "trainer-v2", "serving")}
     base, gpu, s3, v2 = trees["base"], trees["overlays/gpu"], trees["overlays/s3-artifacts"], trees["trainer-v2"]
     platform = {k for k in base if k[0] != "PyTorchJob"}
     assert {k for k in v2 if k[0] not in ("ClusterTrainingRuntime", "TrainJob")} == platform
@@ -328,6 +328,17 @@ def test_kustomize_trees_build_with_the_rendered_jobs(crd, trainer_crds):
     s3_server = s3[("Deployment", "mlflow")]["spec"]["template"]["spec"]["containers"][0]
     assert s3_server["args"][s3_server["args"].index("--artifacts-destination") + 1].startswith("s3://")
     assert ("PersistentVolumeClaim", "mlflow-data") not in s3 and not s3_server.get("volumeMounts", [{}])[0].get("mountPath") == "/data"
+
+    # the model server: `hstu serve` of an export on the workspace volume, probed, non-root
+    serve = trees["serving"][("Deployment", "hstu-serve")]["spec"]["template"]["spec"]
+    container = serve["containers"][0]
+    assert container["command"] == ["hstu", "serve"] and "--export" in container["args"]
+    assert {p: container[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {
+        "startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/health"}
+    assert serve["securityContext"]["runAsNonRoot"] and container["securityContext"]["readOnlyRootFilesystem"]
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in serve["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {"hstu-work"} and ("PersistentVolumeClaim", "hstu-work") in platform
+    assert trees["serving"][("Service", "hstu-serve")]["spec"]["ports"][0]["targetPort"] == 8080
 
     for name, tree in trees.items():
         for (kind, _), obj in tree.items():
@@ -377,3 +388,41 @@ def test_checked_in_manifests_are_what_the_cli_renders(tmp_path, crd, trainer_cr
     runtime, job = yaml.safe_load_all((tmp_path / "trainjob.yaml").read_text())
     assert yaml.safe_load(runtime_file.read_text()) == runtime and yaml.safe_load(job_file.read_text()) == job
     trainjob.validate(job, runtime, *(yaml.safe_load(f.read_text()) for f in trainer_crds))
+
+
+def test_the_registered_model_serves_with_mlflow_models_serve(pipeline_run):
+    """MLflow's own scoring server answers with the registered model (its signature
+    enforced): the same top k as the export."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import free_port
+
+    results = json.loads((pipeline_run / "metrics.json").read_text())
+    port = free_port()
+    env = dict(os.environ, MLFLOW_TRACKING_URI=results["tracking_uri"])
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/hstu/1", "--env-manager", "local",
+                               "-h", "127.0.0.1", "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "mlflow models serve did not start"
+                time.sleep(0.5)
+        rec = Recommender.load(pipeline_run / "export")
+        history = rec.item_ids[:4].tolist()
+        body = {"dataframe_split": {"columns": ["history", "k"], "data": [[history, 5]]}}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            predictions = json.loads(r.read())["predictions"]
+        assert predictions == [[i for i, _ in rec.recommend(history, k=5)]]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

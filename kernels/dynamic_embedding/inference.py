@@ -34,7 +34,8 @@ from .disk_store import DiskStore
 from .dump import read_manifest, read_shard
 from .embedding import EmbeddingConfig, initial_embeddings, make_table
 from .optimizers import OptimizerConfig
-from .table import MISSING
+from .hashing import EMPTY_KEY
+from .table import MISSING, reserved_key_error
 
 LOCKED = torch.iinfo(torch.int64).max  # the score of a locked row: above every clock value
 MISSING_ROWS = ("initial", "zeros")
@@ -255,6 +256,15 @@ class InferenceTable:
             self.store.remove() if remove_files else self.store.close()
 
     # ---- inside ---------------------------------------------------------------------------
+    @staticmethod
+    def _insert(cache, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Copies rows of keys missing from a cache into it → (their slots, MISSING where a
+        full bucket kept them out; how many rows they pushed out)."""
+        size = cache.size()
+        cache.insert_or_assign(keys, rows, scores, return_evicted=False)  # the rows are on the disk still
+        slots = cache.find(keys)
+        return slots, int((slots != MISSING).sum()) - (cache.size() - size)
+
     def _fallback(self, keys: torch.Tensor) -> torch.Tensor:
         """Rows of ids in no tier (see MISSING_ROWS)."""
         if self.config.missing == "zeros" or keys.numel() == 0:
@@ -271,6 +281,8 @@ class InferenceTable:
         """Rows (U, dim) of distinct ids from the highest tier holding each, what a lower
         tier gave copied up into the caches above, scores bumped (LOCKED with `lock`, or
         for ids locked already). Returns (rows, found on the device)."""
+        if uniq.numel() and uniq[0] == EMPTY_KEY:  # ascending: the reserved key would be first
+            raise reserved_key_error()
         self._clock += 1
         held = torch.isin(uniq, self._locked) if self._locks else torch.zeros_like(uniq, dtype=torch.bool)
         keep = held | lock  # rows to lock: scored LOCKED once stored (below)
@@ -307,19 +319,17 @@ class InferenceTable:
                 n_missing = absent.numel()
                 below[absent] = self._fallback(keys[absent])
                 if self.host_cache is not None and n_disk:
-                    evicted = self.host_cache.insert_or_assign(keys[got], below[got], torch.full_like(keys[got], self._clock))
-                    self._stats.host_evictions += evicted.keys.numel()
+                    self._stats.host_evictions += self._insert(self.host_cache, keys[got], below[got],
+                                                               torch.full_like(keys[got], self._clock))[1]
             rows[miss] = below
             up = found.nonzero().squeeze(1)  # copies of stored rows go up to the device cache
             if up.numel():
                 # inserted below LOCKED, so that a full bucket gives up an unlocked row or
                 # none (a tie would take a locked one); then locked where they are to be
                 up_keys, up_locked = keys[up], keep[miss][up]
-                evicted = dev.insert_or_assign(up_keys, below[up], scores[miss][up].clamp(max=LOCKED - 1))
-                self._stats.device_evictions += evicted.keys.numel()
-                if up_locked.any():
-                    stored = dev.find(up_keys[up_locked])
-                    dev.scores[stored[stored != MISSING]] = LOCKED
+                stored, evictions = self._insert(dev, up_keys, below[up], scores[miss][up].clamp(max=LOCKED - 1))
+                self._stats.device_evictions += evictions
+                dev.scores[stored[up_locked & (stored != MISSING)]] = LOCKED
         self._stats.lookups += uniq.numel()
         self._stats.device_hits += hit.numel()
         self._stats.host_hits += n_host
