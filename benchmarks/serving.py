@@ -67,7 +67,7 @@ def start_server(export: Path, port: int, device: str, work: Path, items: int) -
         f"serve({str(export)!r}, '127.0.0.1', {port}, config=ServingConfig(device_rows={max(1024, items // 100)},"
         f" host_rows={max(2048, items // 10)}), device={device!r}, work_dir={str(work)!r})\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
