@@ -7,7 +7,8 @@ The server runs in a process of its own (pipelines/serve.py) on a synthetic expo
 here: an HSTU model of the `hstu` preset with random weights and `--items` item rows (the
 quality is beside the point; the work per request is a real model's). Clients (aiohttp)
 send /recommend requests of histories of 10 to 200 random catalog items, k 10, as fast as
-the server answers, `c` at a time. Meanwhile an updater POSTs 256 new rows to
+the server answers, `c` at a time, after warm-up requests of every history length (the
+first request of a length class compiles its GPU kernels). Meanwhile an updater POSTs 256 new rows to
 /admin/update every 100 ms, and halfway through each run /admin/snapshot swaps in the
 other of two exports. Reported per concurrency: requests/s, p50 and p99 latency, errors
 (any non-200 answer or a mixed version), the p99 of the requests that began while the swap
@@ -148,6 +149,9 @@ async def main_async(args) -> list[dict]:
     try:
         async with aiohttp.ClientSession() as session:
             await wait_ready(session, url, server)
+            for n in range(1, HISTORY[1] + 1, 7):  # compiles the kernels for every length class before timing
+                async with session.post(url + "/recommend", json={"history": catalog[:n], "k": 10}) as r:
+                    assert r.status == 200, await r.text()
         results = []
         for i, c in enumerate(args.concurrency):
             target = exports[(i + 1) % 2][0]
