@@ -19,6 +19,9 @@ def configs(max_capacity: int) -> dict[str, EmbeddingConfig]:
         "user": EmbeddingConfig(**kw),
         "item": EmbeddingConfig(**kw, seed=3, eviction="epoch_lru"),
         "shared": EmbeddingConfig(**kw, seed=5, read_only=True),
+        "counted": EmbeddingConfig(**kw, seed=7, eviction="epoch_lfu"),
+        "ranked": EmbeddingConfig(**kw, seed=9, eviction="custom"),
+        "admitted": EmbeddingConfig(**kw, seed=11, admission_threshold=2),
         "tag": EmbeddingConfig(dim=4, bucket_size=8, backend="triton", eviction="lfu", capacity=16, max_capacity=max_capacity),
         "clipped": EmbeddingConfig(
             dim=4, optimizer=OptimizerConfig("rowwise_adagrad", lr=0.1, max_grad_norm=0.5), bucket_size=8, backend="triton",
@@ -38,7 +41,9 @@ def assert_same_rows(a: DynamicEmbedding, b: DynamicEmbedding) -> None:
 
 def test_collection_groups_features_by_layout():
     c = DynamicEmbeddingCollection(configs(256), DEVICE)
-    assert [g.names for g in c.groups] == [["user", "item", "shared"], ["clipped"]] and c.single == ["tag"]
+    groups = [g.names for g in c.groups]
+    assert groups == [["user", "item", "shared", "counted", "ranked"], ["tag"], ["clipped"]] and c.single == ["admitted"]
+    assert [g.per_key_scores for g in c.groups] == [True, True, False]
     with pytest.raises(KeyError, match="no table for features"):
         c.lookup({"nope": torch.zeros(1, dtype=torch.int64)})
 
@@ -48,7 +53,8 @@ def test_collection_groups_features_by_layout():
     st.tuples(st.integers(0, 80), st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([1, 30])), min_size=1, max_size=6,
 ))
 def test_collection_trains_like_its_tables_one_by_one(steps):
-    """Growing tables (two groups and a table served alone): lookups, rows, scores,
+    """Growing tables (three groups, of every eviction policy, and a table with admission
+    served alone): lookups, rows, scores (lfu and epoch_lfu counts, custom scores included),
     optimizer state and statistics equal those of each feature's own DynamicEmbedding; some
     features sit out some calls, some calls do not train, some updates get ids other than
     the lookup's, and some calls repeat two ids more often than the update sums in one
@@ -63,10 +69,12 @@ def test_collection_trains_like_its_tables_one_by_one(steps):
         coll.set_epoch(step // 2)
         for e in alone.values():
             e.epoch = step // 2
-        got = coll.lookup(ids, train=train)
+        scores = {name: torch.randint(0, 1000, (n,), generator=gen).to(DEVICE) for name in names if cfg[name].eviction == "custom"}
+        got = coll.lookup(ids, train=train, scores=scores)
         for name in names:
             # rows equal to rounding: copies' gradients are summed in another order
-            torch.testing.assert_close(got[name], alone[name].lookup(ids[name], train=train), rtol=1e-5, atol=1e-6)
+            expected = alone[name].lookup(ids[name], train=train, scores=scores.get(name))
+            torch.testing.assert_close(got[name], expected, rtol=1e-5, atol=1e-6)
         grads = {name: torch.randn(n, cfg[name].dim, generator=gen).to(DEVICE) for name in names}
         if seed % 3 == 0:  # an update of other ids than the lookup's
             ids = {name: x.flip(0) for name, x in ids.items()}

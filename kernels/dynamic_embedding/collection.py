@@ -7,8 +7,11 @@
 
 Each feature keeps its own DynamicEmbedding: its own capacity, eviction, statistics and
 dumps (`tables["user"]`). Features whose tables are Triton tables in fast mode, with
-float32 rows, the lru / epoch_lru / none policy, no admission counter and no host tier,
-and that share dim, optimizer and bucket size, form a group. A group's lookup numbers
+float32 rows, no admission counter and no host tier, and that share dim, optimizer and
+bucket size, form a group, whatever their eviction policies: a group of step-scored
+tables (lru, epoch_lru, none) passes one score per table to the claim; where a member
+counts uses (lfu, epoch_lfu) or is scored by the caller (custom, `lookup(..., scores=)`),
+the claim gets a score per id, computed on the device from the ids' stored scores. A group's lookup numbers
 its lanes (one id of one table each) by distinct id, then launches each kernel once for
 all its tables over the distinct ids (lookup and claim of empty slots, evictions, row
 initialisation, counting) and once over the lanes (gather, and initial embeddings of
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..launch import cdiv, launch, next_power_of_2
-from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
+from .embedding import STEP_POLICIES, DynamicEmbedding, EmbeddingConfig, TableStats
 from .multi_table_kernels import (
     _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
     _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
@@ -49,7 +52,9 @@ from .claim_kernels import claim, resident_grid
 from .probe_kernels import GROW, READ_ONLY, probe
 from .triton_table import TritonHashTable
 
-FUSED_POLICIES = ("lru", "epoch_lru", "none")
+# members whose scores are a function of the table alone (one score per table and call);
+# the others (lfu, epoch_lfu, custom) score each id: see _Group._key_scores
+TABLE_SCORED = STEP_POLICIES
 MAX_GROUP = 127  # tables per group (the statistics kernel loops over a group's tables)
 LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most skip), ids per embedding tile
 GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
@@ -73,6 +78,9 @@ UPDATE_PROGRAMS = 64
 # (the measurements behind these: benchmarks/embedding_tuning.md)
 
 
+STEP_SCORED, LFU, EPOCH_LFU, CUSTOM = 0, 1, 2, 3  # how a member scores ids (device codes)
+POLICY_CODES = {"lfu": LFU, "epoch_lfu": EPOCH_LFU, "custom": CUSTOM}
+
 MODE_READ_WRITE, MODE_READ_ONLY, MODE_WRITE_FIRST = "read_write", "read_only", "write_first"
 FEATURE_MODES = (MODE_READ_WRITE, MODE_READ_ONLY, MODE_WRITE_FIRST)
 
@@ -93,7 +101,7 @@ def _fusable(emb: DynamicEmbedding) -> bool:
     t = emb.table
     return (
         isinstance(t, TritonHashTable) and not t.deterministic and t.dtype == torch.float32
-        and emb.host is None and emb.counters is None and emb.config.eviction in FUSED_POLICIES
+        and emb.host is None and emb.counters is None
     )
 
 
@@ -138,6 +146,9 @@ class _Group:
         self._seeds = _to_device([m._init[0] for m in members], torch.int64, self.device)
         self._scales = _to_device([m._init[1] for m in members], torch.float64, self.device)
         self._inserting = _to_device([not m.config.read_only for m in members], torch.int64, self.device)
+        self._policies = [m.config.eviction for m in members]
+        self.per_key_scores = any(p not in TABLE_SCORED for p in self._policies)
+        self._policy_codes = _to_device([POLICY_CODES.get(p, STEP_SCORED) for p in self._policies], torch.int64, self.device)
         # members count into rows of one tensor, so one add serves them all
         self._counts = torch.stack([m._counts for m in members])
         for i, m in enumerate(members):
@@ -190,13 +201,46 @@ class _Group:
         base = [s if s == never else s - offset for s in scores]
         return self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device)), offset
 
+    def _key_scores(self, r: _Routing, lane_scores: torch.Tensor | None) -> torch.Tensor:
+        """Each segment's score for the claim, as its table's DynamicEmbedding scores an id:
+        the table's step score; lfu: the uses stored plus this call's copies; epoch_lfu: the
+        same within the epoch (the epoch in the high 32 bits); custom: the highest of its
+        copies' given scores; read-only tables: int64 min (the claim never lowers a score)."""
+        n = r.keys.numel()
+        # segments past r.count hold no id (their entries are not written): table 0's
+        tids = torch.where(torch.arange(n, device=self.device) < r.count, r.tids, 0)
+        never = torch.iinfo(torch.int64).min
+        step = _to_device([never if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0)
+                           for m, p in zip(self.members, self._policies)], torch.int64, self.device)
+        scores = step[tids]
+        code = self._policy_codes[tids]
+        if any(p in ("lfu", "epoch_lfu") for p in self._policies):
+            uses = torch.bincount(r.number.long(), minlength=n)[:n]
+            slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count)
+            old = torch.zeros(n, dtype=torch.int64, device=self.device)
+            for i, (m, p) in enumerate(zip(self.members, self._policies)):
+                if p in ("lfu", "epoch_lfu"):  # each table's stored scores, where the id is stored there
+                    mine = (tids == i) & (slots >= 0)
+                    old = torch.where(mine, m.table.scores[slots.clamp(0, m.table.capacity - 1)], old)
+            epoch = _to_device([m.epoch for m in self.members], torch.int64, self.device)[tids]
+            same_epoch = (old >> 32) == epoch
+            counted = (epoch << 32) | ((torch.where(same_epoch, old & 0xFFFFFFFF, 0) + uses) & 0xFFFFFFFF)
+            scores = torch.where(code == LFU, old + uses, torch.where(code == EPOCH_LFU, counted, scores))
+        if lane_scores is not None:
+            given = torch.full((n,), never, dtype=torch.int64, device=self.device)
+            given.scatter_reduce_(0, r.number.long(), lane_scores.to(self.device, torch.int64), "amax")
+            scores = torch.where(code == CUSTOM, given, scores)
+        read_only = _to_device([m.config.read_only for m in self.members], torch.bool, self.device)[tids]
+        return torch.where(read_only, never, scores)
+
     def _flat_ids(self, x: torch.Tensor) -> torch.Tensor:
         if x.device == self.device and x.dtype == torch.int64 and x.dim() == 1:
             return x
         return x.to(self.device, torch.int64).reshape(-1)
 
     # ---- lookup ---------------------------------------------------------------------------
-    def lookup(self, given: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
+    def lookup(self, given: list[torch.Tensor], train: bool, scores: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """scores: each member's given scores (custom policy members), else None."""
         ids = [self._flat_ids(x) for x in given]
         sizes = tuple(x.numel() for x in ids)
         n = sum(sizes)
@@ -209,7 +253,7 @@ class _Group:
         if train:
             for m in self.members:
                 m.table.placements += 1  # the claim below inserts and evicts
-            slots, inserted = self._claim(r)
+            slots, inserted = self._claim(r, self._claim_scores(r, ids, scores))
             launch(
                 _init_rows_kernel, (cdiv(n, LANE_BLOCK),),
                 r.keys, r.tids, slots, inserted.view(torch.int8), r.count, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
@@ -233,12 +277,27 @@ class _Group:
         self.routing = r
         return list(out.split(sizes))
 
-    def _claim(self, r: _Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """find_or_insert of the segments' ids in their tables, growing those that need it
-        (then again): their slots and whether each was inserted."""
-        scores, offset = self._table_scores()
+    def _claim_scores(self, r: _Routing, ids: list[torch.Tensor], scores: list | None) -> tuple[torch.Tensor, int, bool]:
+        """The claim's scores: (per table, their offset, True), or (per segment, 0, False)."""
+        if not self.per_key_scores:
+            return (*self._table_scores(), True)
+        scores = scores or [None] * len(ids)
+        for x, given, p, name in zip(ids, scores, self._policies, self.names):
+            if p == "custom" and given is None and x.numel():
+                raise ValueError(f"{name}: the custom eviction policy needs scores in lookup()")
+        lane_scores = None
+        if any(s is not None for s in scores):
+            lane_scores = torch.cat([s.reshape(-1) if s is not None else torch.zeros(x.numel(), dtype=torch.int64)
+                                     for s, x in zip(scores, ids)]).to(self.device, torch.int64)
+        return self._key_scores(r, lane_scores), 0, False
+
+    def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """find_or_insert of the segments' ids in their tables with `scored` (_claim_scores),
+        growing the tables that need it (then again): their slots and whether each was
+        inserted."""
+        scores, offset, per_table = scored
         slots, inserted, _, _, _ = claim(
-            self._descriptors(), r.keys, scores, self.bucket_size, r.tids, table_scores=True,
+            self._descriptors(), r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
             counts=self._counts, count=r.count, victims=False, score_offset=offset,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
@@ -256,7 +315,7 @@ class _Group:
             return slots, inserted
         for t in grow:
             t._grow()
-        again, inserted_again = self._claim(r)
+        again, inserted_again = self._claim(r, scored)
         return again, inserted | inserted_again
 
     def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None) -> None:
@@ -405,16 +464,24 @@ class DynamicEmbeddingCollection:
                 out.update(zip(names, rows[table].split([ids[n].numel() for n in names])))
         return out
 
-    def lookup(self, ids: dict[str, torch.Tensor], train: bool = True) -> dict[str, torch.Tensor]:
+    def lookup(
+        self, ids: dict[str, torch.Tensor], train: bool = True, scores: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Embeddings (N_f, dim) for each feature's int64 ids (N_f,), as
-        DynamicEmbedding.lookup does per table (read-only features: without train)."""
+        DynamicEmbedding.lookup does per table (read-only features: without train).
+        scores: per feature, the (N_f,) scores of a table under the custom policy."""
         self._check(ids)
+        scores = scores or {}
         out = {}
         for read_only in (False, True):
             by_table = self._by_table(ids, read_only)
             if by_table:
                 joined = {t: self._join(t, names, ids) for t, names in by_table.items()}
-                out.update(self._split(self._lookup_tables(joined, train and not read_only), by_table, ids))
+                joined_scores = {
+                    t: torch.cat([scores[n].reshape(-1) for n in names]) if len(names) > 1 else scores[names[0]]
+                    for t, names in by_table.items() if all(n in scores for n in names)
+                }
+                out.update(self._split(self._lookup_tables(joined, train and not read_only, joined_scores), by_table, ids))
         return {n: out[n] for n in ids}
 
     def apply_gradients(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
@@ -454,14 +521,14 @@ class DynamicEmbeddingCollection:
     def _ids_of(self, group: _Group, ids: dict) -> list[torch.Tensor]:
         return [ids.get(n, group.empty) for n in group.names]
 
-    def _lookup_tables(self, ids: dict[str, torch.Tensor], train: bool) -> dict[str, torch.Tensor]:
+    def _lookup_tables(self, ids: dict[str, torch.Tensor], train: bool, scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for g in self.groups:
             if any(n in ids for n in g.names):
-                out.update(zip(g.names, g.lookup(self._ids_of(g, ids), train)))
+                out.update(zip(g.names, g.lookup(self._ids_of(g, ids), train, [scores.get(n) for n in g.names])))
         for n in self.single:
             if n in ids:
-                out[n] = self.tables[n].lookup(ids[n], train)
+                out[n] = self.tables[n].lookup(ids[n], train, scores=scores.get(n))
         return out
 
     def _apply_tables(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
