@@ -42,7 +42,7 @@ def assert_same_rows(a: DynamicEmbedding, b: DynamicEmbedding) -> None:
 def test_collection_groups_features_by_layout():
     c = DynamicEmbeddingCollection(configs(256), DEVICE)
     groups = [g.names for g in c.groups]
-    assert groups == [["user", "item", "shared", "counted", "ranked"], ["tag"], ["clipped"]] and c.single == ["admitted"]
+    assert groups == [["user", "item", "shared", "counted", "ranked", "admitted"], ["tag"], ["clipped"]] and c.single == []
     assert [g.per_key_scores for g in c.groups] == [True, True, False]
     with pytest.raises(KeyError, match="no table for features"):
         c.lookup({"nope": torch.zeros(1, dtype=torch.int64)})
@@ -53,8 +53,7 @@ def test_collection_groups_features_by_layout():
     st.tuples(st.integers(0, 80), st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([1, 30])), min_size=1, max_size=6,
 ))
 def test_collection_trains_like_its_tables_one_by_one(steps):
-    """Growing tables (three groups, of every eviction policy, and a table with admission
-    served alone): lookups, rows, scores (lfu and epoch_lfu counts, custom scores included),
+    """Growing tables (three groups, of every eviction policy and with admission): lookups, rows, scores (lfu and epoch_lfu counts, custom scores included),
     optimizer state and statistics equal those of each feature's own DynamicEmbedding; some
     features sit out some calls, some calls do not train, some updates get ids other than
     the lookup's, and some calls repeat two ids more often than the update sums in one
@@ -249,3 +248,26 @@ def test_write_first_counts_an_ids_gradient_from_its_first_feature_only():
     after = coll.lookup({"watched": torch.tensor(list(expected), device=DEVICE)}, train=False)["watched"]
     for (i, step), row in zip(expected.items(), after):
         torch.testing.assert_close(row, before[i] - SGD.lr * step)
+
+
+def test_admission_in_a_group_counts_new_ids_before_storing_them():
+    """A member with admission threshold 2 grouped with an lru member: a new id is served
+    its initial row and not stored on its first sighting (a lookup, not a rejection), and
+    stored on its second; the same as its own table's, statistics included."""
+    kw = dict(dim=8, optimizer=ADAM, bucket_size=8, backend="triton", capacity=16, max_capacity=1 << 10)
+    cfg = {"plain": EmbeddingConfig(**kw), "admitted": EmbeddingConfig(**kw, seed=11, admission_threshold=2)}
+    coll = DynamicEmbeddingCollection(cfg, DEVICE)
+    alone = DynamicEmbedding(cfg["admitted"], DEVICE)
+    assert [g.names for g in coll.groups] == [["plain", "admitted"]] and coll.groups[0].admitting
+    first, again = torch.tensor([5, 6, 6, 7], device=DEVICE), torch.tensor([5, 8], device=DEVICE)
+    for ids in (first, again, again):
+        got = coll.lookup({"plain": ids, "admitted": ids})
+        torch.testing.assert_close(got["admitted"], alone.lookup(ids), rtol=0, atol=0)
+        grads = torch.ones(ids.numel(), 8, device=DEVICE)
+        coll.apply_gradients({"plain": ids, "admitted": ids}, {"plain": grads, "admitted": grads})
+        alone.apply_gradients(ids, grads)
+    assert sorted(coll["admitted"].export_rows()[0].tolist()) == [5, 6, 8]  # 6 twice in one call; 5 and 8 on their second
+    assert sorted(coll["plain"].export_rows()[0].tolist()) == [5, 6, 7, 8]
+    s = coll["admitted"].stats()
+    assert s == alone.stats() and s.rejections == 0 and (s.admissions, s.admission_rejections) == (3, 3)
+    assert_same_rows(coll["admitted"], alone)

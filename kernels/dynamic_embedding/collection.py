@@ -7,11 +7,13 @@
 
 Each feature keeps its own DynamicEmbedding: its own capacity, eviction, statistics and
 dumps (`tables["user"]`). Features whose tables are Triton tables in fast mode, with
-float32 rows, no admission counter and no host tier, and that share dim, optimizer and
-bucket size, form a group, whatever their eviction policies: a group of step-scored
+float32 rows and no host tier, and that share dim, optimizer and bucket size, form a
+group, whatever their eviction policies and admission thresholds: a group of step-scored
 tables (lru, epoch_lru, none) passes one score per table to the claim; where a member
 counts uses (lfu, epoch_lfu) or is scored by the caller (custom, `lookup(..., scores=)`),
-the claim gets a score per id, computed on the device from the ids' stored scores. A group's lookup numbers
+the claim gets a score per id, computed on the device from the ids' stored scores. A
+member with an admission threshold counts its new ids in its counter table first; those
+below the threshold go to the claim as the reserved key, which it never stores. A group's lookup numbers
 its lanes (one id of one table each) by distinct id, then launches each kernel once for
 all its tables over the distinct ids (lookup and claim of empty slots, evictions, row
 initialisation, counting) and once over the lanes (gather, and initial embeddings of
@@ -42,7 +44,10 @@ from dataclasses import dataclass
 import torch
 
 from ..launch import cdiv, launch, next_power_of_2
+from .counters import REJECTIONS
 from .embedding import STEP_POLICIES, DynamicEmbedding, EmbeddingConfig, TableStats
+from .hashing import EMPTY_KEY
+from .table import MISSING
 from .multi_table_kernels import (
     _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
     _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
@@ -101,7 +106,7 @@ def _fusable(emb: DynamicEmbedding) -> bool:
     t = emb.table
     return (
         isinstance(t, TritonHashTable) and not t.deterministic and t.dtype == torch.float32
-        and emb.host is None and emb.counters is None
+        and emb.host is None
     )
 
 
@@ -148,6 +153,7 @@ class _Group:
         self._inserting = _to_device([not m.config.read_only for m in members], torch.int64, self.device)
         self._policies = [m.config.eviction for m in members]
         self.per_key_scores = any(p not in TABLE_SCORED for p in self._policies)
+        self.admitting = any(m.counters is not None for m in members)
         self._policy_codes = _to_device([POLICY_CODES.get(p, STEP_SCORED) for p in self._policies], torch.int64, self.device)
         # members count into rows of one tensor, so one add serves them all
         self._counts = torch.stack([m._counts for m in members])
@@ -253,7 +259,8 @@ class _Group:
         if train:
             for m in self.members:
                 m.table.placements += 1  # the claim below inserts and evicts
-            slots, inserted = self._claim(r, self._claim_scores(r, ids, scores))
+            refused = self._admission(r) if self.admitting else None
+            slots, inserted = self._claim(r, self._claim_scores(r, ids, scores), refused)
             launch(
                 _init_rows_kernel, (cdiv(n, LANE_BLOCK),),
                 r.keys, r.tids, slots, inserted.view(torch.int8), r.count, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
@@ -291,13 +298,45 @@ class _Group:
                                      for s, x in zip(scores, ids)]).to(self.device, torch.int64)
         return self._key_scores(r, lane_scores), 0, False
 
-    def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _admission(self, r: _Routing) -> torch.Tensor:
+        """(N,) bool: the segments that may not have a row: new ids of members with an
+        admission threshold whose count (in the member's counter table, bumped by this
+        call's copies) is below it, as DynamicEmbedding._admit decides. They count as
+        lookups, not as rejections. (Host waits: one per admitting member with new ids.)"""
+        n = r.keys.numel()
+        valid = torch.arange(n, device=self.device) < r.count
+        tids = torch.where(valid, r.tids, 0)
+        slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count)
+        uses = torch.bincount(r.number.long(), minlength=n)[:n]
+        refused = torch.zeros(n, dtype=torch.bool, device=self.device)
+        for i, m in enumerate(self.members):
+            if m.counters is None:
+                continue
+            new = (valid & (tids == i) & (slots < 0)).nonzero().squeeze(1)
+            if new.numel() == 0:
+                continue
+            keys = r.keys[new]
+            before = m.counters.find(keys)
+            seen = torch.where(before != MISSING, m.counters.scores[before.clamp(min=0)], 0) + uses[new]
+            m.counters.find_or_insert(keys, seen)  # a full counter table forgets its lowest counts
+            admitted = seen >= m.config.admission_threshold
+            m.counters.erase(keys[admitted])
+            refused[new[~admitted]] = True
+            n_admitted = int(admitted.sum())
+            m._stats.admissions += n_admitted
+            m._stats.admission_rejections += new.numel() - n_admitted
+            self._counts[i, REJECTIONS] -= new.numel() - n_admitted
+        return refused
+
+    def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], refused: torch.Tensor | None = None):
         """find_or_insert of the segments' ids in their tables with `scored` (_claim_scores),
         growing the tables that need it (then again): their slots and whether each was
-        inserted."""
+        inserted. refused: segments not to store (passed to the claim as the reserved key,
+        which it never stores)."""
         scores, offset, per_table = scored
+        keys = r.keys if refused is None else torch.where(refused, EMPTY_KEY, r.keys)
         slots, inserted, _, _, _ = claim(
-            self._descriptors(), r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
+            self._descriptors(), keys, scores, self.bucket_size, r.tids, table_scores=per_table,
             counts=self._counts, count=r.count, victims=False, score_offset=offset,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
@@ -315,7 +354,7 @@ class _Group:
             return slots, inserted
         for t in grow:
             t._grow()
-        again, inserted_again = self._claim(r, scored)
+        again, inserted_again = self._claim(r, scored, refused)
         return again, inserted | inserted_again
 
     def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None) -> None:
