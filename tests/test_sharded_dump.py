@@ -212,3 +212,32 @@ def test_assign_on_two_ranks_writes_each_row_on_its_owner(tmp_path):
         got = torch.load(tmp_path / f"a.rank{r}.pt")
         assert torch.equal(got["rows"], expect)  # every rank sees every row written
         assert bool((shard_of(got["local"], 2) == r).all())  # each row stored by its owner
+
+
+def _update_of_other_ids(rank, world, out):
+    """The update reuses its lookup's routing only for the very ids it routed."""
+    torch.manual_seed(rank)
+    a, b = ALL_IDS[torch.randint(len(ALL_IDS), (30,))], ALL_IDS[torch.randint(len(ALL_IDS), (30,))]
+    grads = torch.randn(30, CONFIG.dim)
+    tables = [ShardedDynamicEmbedding(CONFIG) for _ in range(3)]
+    tables[0].lookup(a)
+    tables[0].apply_gradients(b, grads)  # other ids than the lookup's
+    tables[1].lookup(a)
+    tables[1].apply_gradients(b.clone(), grads)  # the same ids in a new tensor: routed afresh
+    a.add_(0)  # (a no-op that still bumps a's version)
+    tables[2].lookup(b)
+    b_again = b
+    tables[2].apply_gradients(b_again, grads)  # the lookup's own ids: its routing reused
+    expect = ShardedDynamicEmbedding(CONFIG)
+    expect.lookup(b.clone())
+    expect.apply_gradients(b.clone(), grads)
+    got = [t.lookup(ALL_IDS, train=False) for t in tables + [expect]]
+    torch.save(got, f"{out}.rank{rank}.pt")
+
+
+def test_an_update_routes_its_own_ids_unless_they_are_the_lookups(tmp_path):
+    run_distributed(2, _update_of_other_ids, str(tmp_path / "got"))
+    for rank in range(2):
+        zero, one, two, expect = torch.load(tmp_path / f"got.rank{rank}.pt")
+        torch.testing.assert_close(zero, one, rtol=0, atol=0)
+        torch.testing.assert_close(two, expect, rtol=0, atol=0)

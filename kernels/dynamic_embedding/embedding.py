@@ -513,6 +513,7 @@ class ShardedDynamicEmbedding:
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
         self.local = local if local is not None else DynamicEmbedding(config, device)
+        self._routed = None  # the last lookup's ids (and version) and their routing
 
     @property
     def config(self) -> EmbeddingConfig:
@@ -544,10 +545,20 @@ class ShardedDynamicEmbedding:
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
         return out
 
+    def _route_again(self, ids: torch.Tensor):
+        """_route of ids; the lookup's, kept, when these are the ids it routed (the same
+        tensor, unchanged since): an update then exchanges only its gradients."""
+        kept = self._routed
+        if kept is not None and kept[0] is ids and kept[1] == ids._version:
+            return kept[2]
+        return self._route(ids)
+
     def lookup(self, ids: torch.Tensor, train: bool = True) -> torch.Tensor:
         if self.world_size == 1:
             return self.local.lookup(ids, train)
-        recv_ids, order, inverse, send, recv = self._route(ids)
+        route = self._route(ids)
+        self._routed = (ids, ids._version, route)
+        recv_ids, order, inverse, send, recv = route
         rows = self._exchange(self.local.lookup(recv_ids, train), recv, send)
         emb = torch.empty_like(rows)
         emb[order] = rows
@@ -558,7 +569,8 @@ class ShardedDynamicEmbedding:
         gradients, the update uses their mean over ranks."""
         if self.world_size == 1:
             return self.local.apply_gradients(ids, grads)
-        recv_ids, order, inverse, send, recv = self._route(ids)
+        recv_ids, order, inverse, send, recv = self._route_again(ids)
+        self._routed = None
         _, summed, _ = sum_by_key(
             ids.to(self.local.device), grads.to(self.local.device, torch.float32), self.local.table.deterministic
         )
