@@ -1,0 +1,306 @@
+"""Weak scaling on the GPUs of one host: the sharded embedding alone, and HSTU training.
+
+    python benchmarks/scaling.py --procs 1 2 4 8                       # NCCL, one process per GPU
+    python benchmarks/scaling.py --device cpu --procs 1 2 --small      # gloo on CPUs (the test's run)
+
+For each process count G the driver runs `torchrun --standalone --nproc-per-node G` of this
+file in worker mode (NCCL with NVLink multicast off, NCCL_NVLS_ENABLE=0, the machine's
+other NCCL settings kept; gloo on CPUs) and collects rank 0's row. The per-GPU batch is
+fixed (weak scaling); reported per G: ms per step, samples/s per GPU, the weak-scaling
+efficiency (per-GPU rate at G over the rate at 1), and the share of the step spent in
+communication.
+
+Workloads:
+- `embedding`: dynamicemb's workload on a ShardedDynamicEmbeddingCollection: 10 tables of
+  dim 128, Adam, `--ids` ids per table per GPU from a power law (α 1.05) over an id range
+  of `--rows` per table per GPU (every id inserted before timing); a step is the lookup
+  (all-to-all of ids and rows), the given output gradient's backward and the sparse update
+  (all-to-all of gradients). A sample is one id of every table.
+- `hstu`: training steps of the real LightningModule under DDP (the presets given; per-GPU
+  batch = the preset's), TFLOP/s as benchmarks/train_throughput.py counts them.
+
+Communication share: the step is timed twice, plain (the ms and samples/s reported), then
+with every collective (the embedding's all-to-alls, DDP's all-reduce through a comm hook)
+made blocking and timed alone; the share is their time over that step's. It counts what a
+collective costs the step when nothing overlaps it: an upper bound where DDP overlaps.
+Prints a table and writes JSON to benchmarks/results/scaling_<device>.json.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TABLES, DIM, ALPHA = 10, 128, 1.05
+FULL = {"ids": 65_536, "rows": 1_677_721, "users": 0}  # dynamicemb's sizes per GPU
+SMALL = {"ids": 512, "rows": 4_096, "users": 0}  # the CPU test's
+
+
+# ---- timing of collectives ------------------------------------------------------------------
+class CommTimer:
+    """While on: every all_to_all_single made blocking and timed (the embedding's exchanges)."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds, self.on = device, 0.0, False
+        self._all_to_all = dist.all_to_all_single
+        dist.all_to_all_single = self._timed
+
+    def _sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def _timed(self, *args, **kwargs):
+        if not self.on:
+            return self._all_to_all(*args, **kwargs)
+        self._sync()
+        start = time.perf_counter()
+        out = self._all_to_all(*args, **kwargs)
+        self._sync()
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def ddp_hook(self, state, bucket):
+        """DDP's gradient all-reduce (mean), blocking and timed while on."""
+        world = dist.get_world_size()
+        if self.on:
+            self._sync()
+        start = time.perf_counter()
+        work = dist.all_reduce(bucket.buffer(), async_op=True)
+        if self.on:
+            work.wait()
+            self._sync()
+            self.seconds += time.perf_counter() - start
+        return work.get_future().then(lambda f: f.value()[0].div_(world))
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+# ---- the embedding workload -------------------------------------------------------------------
+def power_law(n: int, high: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    u = torch.rand(n, generator=gen, dtype=torch.float64).to(device)
+    a = 1.0 - ALPHA
+    return ((((high**a - 1.0) * u + 1.0) ** (1.0 / a)).floor().long() - 1).clamp(0, high - 1)
+
+
+def embedding_worker(args, device: str, timer: CommTimer) -> dict:
+    from kernels.dynamic_embedding import EmbeddingConfig, OptimizerConfig, ShardedDynamicEmbeddingCollection
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows_total = args.rows * world  # the id range of a table: each GPU's shard holds about args.rows
+    config = EmbeddingConfig(dim=DIM, optimizer=OptimizerConfig("adam", lr=1e-3), capacity=args.rows, max_capacity=2 * args.rows,
+                             bucket_size=128 if device == "cuda" else 32)
+    names = [f"t{i}" for i in range(TABLES)]
+    tables = ShardedDynamicEmbeddingCollection({n: config for n in names}, device)
+    chunk = 1 << 18
+    mine = torch.arange(rank, rows_total, world, device=device)  # each id once, over the ranks
+    for start in range(0, mine.numel(), chunk):
+        tables.lookup({n: mine[start : start + chunk] for n in names})
+    gen = torch.Generator().manual_seed(rank)
+    steps = args.warmup + 2 * args.steps
+    batches = [{n: power_law(args.ids, rows_total, gen, device) for n in names} for _ in range(steps)]
+    grads = {n: torch.randn(args.ids, DIM, generator=gen).to(device) for n in names}
+
+    def step(ids):
+        tables.lookup(ids)
+        tables.apply_gradients(ids, grads)
+
+    for i in range(args.warmup):
+        step(batches[i])
+    seconds = []
+    for instrumented in (False, True):
+        timer.on, timer.seconds = instrumented, 0.0
+        sync(device)
+        start = time.perf_counter()
+        for i in range(args.steps):
+            step(batches[args.warmup + instrumented * args.steps + i])
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    timer.on = False
+    return {
+        "workload": "embedding", "tables": TABLES, "dim": DIM, "ids_per_gpu": args.ids, "rows_per_gpu": args.rows,
+        "ms_per_step": 1000 * seconds[0] / args.steps, "samples_per_s_per_gpu": args.ids * args.steps / seconds[0],
+        "comm_share": timer.seconds / seconds[1] if world > 1 else 0.0,
+    }
+
+
+# ---- the HSTU workload ------------------------------------------------------------------------
+def hstu_worker(args, device: str, timer: CommTimer) -> dict:
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from benchmarks.train_throughput import step_flops
+    from lightning_modules.config import preset
+    from lightning_modules.data import SequenceDataModule
+    from lightning_modules.module import HSTULightningModule
+    from lightning_modules.train import precision_for
+
+    world = int(os.environ["WORLD_SIZE"])
+    per_gpu = args.batch_size or preset(args.preset).batch_size
+    config = preset(args.preset).override(batch_size=per_gpu * world)
+    data = SequenceDataModule(args.data_dir, config.max_seq_len, per_gpu, num_workers=2 if device == "cuda" else 0,
+                              random_windows=config.random_windows)
+    catalog = data.catalog()
+    module = HSTULightningModule(config, catalog)
+    negatives = min(config.num_negatives, len(catalog))
+
+    class Passes(L.Callback):
+        """Steps warmup .. warmup+steps plain, the next `steps` with collectives timed."""
+
+        def __init__(self):
+            self.bounds, self.samples, self.flops = [], 0, 0.0
+
+        def _mark(self, trainer):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            trainer.strategy.barrier()
+            self.bounds.append(time.perf_counter())
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step in (args.warmup, args.warmup + args.steps):
+                self._mark(trainer)
+                timer.on, timer.seconds = trainer.global_step > args.warmup, 0.0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if args.warmup < trainer.global_step <= args.warmup + args.steps:  # the plain pass's steps
+                lengths = batch["input_offsets"].diff().cpu().numpy()
+                self.samples += len(batch["lengths"])
+                self.flops += step_flops(config, lengths, negatives)
+
+        def on_train_end(self, trainer, pl_module):
+            self._mark(trainer)
+            timer.on = False
+
+    passes = Passes()
+    accelerator = "gpu" if device == "cuda" else "cpu"
+    strategy = DDPStrategy(ddp_comm_hook=timer.ddp_hook) if world > 1 else "auto"
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), num_nodes=1, strategy=strategy,
+        max_steps=args.warmup + 2 * args.steps, precision=precision_for(accelerator), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[passes],
+    )
+    trainer.fit(module, datamodule=data)
+    plain_s, instrumented_s = passes.bounds[1] - passes.bounds[0], passes.bounds[2] - passes.bounds[1]
+    return {
+        "workload": "hstu", "preset": args.preset, "batch_per_gpu": per_gpu, "max_seq_len": config.max_seq_len,
+        "ms_per_step": 1000 * plain_s / args.steps, "samples_per_s_per_gpu": passes.samples / plain_s,
+        "tflops_per_gpu": passes.flops / plain_s / 1e12, "comm_share": timer.seconds / instrumented_s if world > 1 else 0.0,
+    }
+
+
+def worker(args) -> None:
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if args.workload == "embedding":  # Lightning makes its own process group for hstu
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        timer = CommTimer(device)
+        row = embedding_worker(args, device, timer)
+    else:
+        timer = CommTimer(device)
+        row = hstu_worker(args, device, timer)
+    if int(os.environ["RANK"]) == 0:
+        Path(args.row).write_text(json.dumps(row | {"procs": int(os.environ["WORLD_SIZE"])}))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- the driver -------------------------------------------------------------------------------
+def hstu_data(root: Path, preset_name: str, users: int) -> Path:
+    """Synthetic data for a preset (ML-1M-like; uniform long sequences for hstu-long)."""
+    from benchmarks.train_throughput import ML1M_LIKE_MAX_LEN, uniform_lengths_data
+    from lightning_modules.config import preset
+    from lightning_modules.datasets import prepare
+
+    path = root / f"data-{preset_name}"
+    path.mkdir(parents=True, exist_ok=True)
+    if preset(preset_name).max_seq_len > ML1M_LIKE_MAX_LEN:
+        uniform_lengths_data(path, users, preset(preset_name).max_seq_len, seed=0)
+    else:
+        prepare("synthetic", path, synthetic_users=users, seed=0)
+    return path
+
+
+def launch(procs: int, worker_args: list[str], device: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        row = Path(tmp) / "row.json"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        if device == "cuda":
+            env["NCCL_NVLS_ENABLE"] = "0"
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
+                   "--worker", "--row", str(row), "--device", device, *worker_args]
+        subprocess.run(command, check=True, env=env)
+        return json.loads(row.read_text())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--workloads", nargs="+", default=["embedding", "hstu"], choices=["embedding", "hstu"])
+    p.add_argument("--presets", nargs="+", default=["hstu", "hstu-large", "hstu-long"])
+    p.add_argument("--small", action="store_true", help="CPU-sized tables and batches (the test's)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps, in each of the two passes")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch-size", type=int, help="HSTU sequences per GPU (default: the preset's)")
+    p.add_argument("--out")
+    # worker mode (torchrun runs this file again with these)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--preset", help=argparse.SUPPRESS)
+    p.add_argument("--data-dir", help=argparse.SUPPRESS)
+    p.add_argument("--row", help=argparse.SUPPRESS)
+    p.add_argument("--ids", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    from benchmarks.results_path import write_results
+    from lightning_modules.config import preset
+
+    sizes = SMALL if args.small else FULL
+    common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scaling-") as tmp:
+        runs = []
+        if "embedding" in args.workloads:
+            runs.append(["--workload", "embedding", "--ids", str(sizes["ids"]), "--rows", str(sizes["rows"])])
+        if "hstu" in args.workloads:
+            for name in args.presets:
+                per_gpu = args.batch_size or preset(name).batch_size
+                users = per_gpu * max(args.procs) * (args.warmup + 2 * args.steps + 2)
+                data = hstu_data(Path(tmp), name, users)
+                runs.append(["--workload", "hstu", "--preset", name, "--data-dir", str(data)]
+                            + (["--batch-size", str(args.batch_size)] if args.batch_size else []))
+        for run in runs:
+            base = None
+            for procs in args.procs:
+                row = launch(procs, run + common, args.device)
+                base = base or (row["samples_per_s_per_gpu"] if procs == 1 else None)
+                row["efficiency"] = row["samples_per_s_per_gpu"] / base if base else None
+                rows.append(row)
+                print(f"{row['workload']:<10}{row.get('preset', ''):<12}{procs:>6}{row['ms_per_step']:>10.2f}"
+                      f"{row['samples_per_s_per_gpu']:>16,.0f}{(row['efficiency'] or 0):>12.1%}{row['comm_share']:>12.1%}",
+                      flush=True)
+    device = args.device
+    write_results("scaling", rows, args.out, device=device, procs=args.procs, small=args.small)
+
+
+if __name__ == "__main__":
+    main()

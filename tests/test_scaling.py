@@ -1,0 +1,20 @@
+"""benchmarks/scaling.py on CPUs: 1 and 2 processes over gloo through torchrun, both
+workloads, so that the multi-GPU run is one command (see the benchmark's docstring)."""
+import json
+
+from benchmarks import scaling
+
+
+def test_scaling_runs_both_workloads_on_one_and_two_processes(tmp_path):
+    out = tmp_path / "scaling.json"
+    scaling.main(["--device", "cpu", "--procs", "1", "2", "--small", "--presets", "hstu", "--steps", "2", "--warmup", "1",
+                  "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["workload"], r["procs"]) for r in rows] == [("embedding", 1), ("embedding", 2), ("hstu", 1), ("hstu", 2)]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["samples_per_s_per_gpu"] > 0 and 0 <= r["comm_share"] < 1
+        assert r["efficiency"] > 0
+    one, two = [r for r in rows if r["workload"] == "embedding"]
+    assert one["efficiency"] == 1.0 and one["comm_share"] == 0.0 and two["comm_share"] > 0  # two ranks exchange ids and rows
+    hstu = [r for r in rows if r["workload"] == "hstu"]
+    assert hstu[1]["comm_share"] > 0 and hstu[0]["tflops_per_gpu"] > 0  # DDP's all-reduce, timed through its comm hook
