@@ -96,10 +96,11 @@ class Batcher:
     """Runs queued requests in batches on the current model version (see the module's
     docstring); prefetches the rows of the requests waiting behind each batch."""
 
-    def __init__(self, snapshots: Snapshots, max_batch: int = 64, max_wait_s: float = 0.002):
+    def __init__(self, snapshots: Snapshots, max_batch: int = 64, max_wait_s: float = 0.002, on_batch=None):
+        """on_batch(n): told the size of every batch run (metrics)."""
         self.snapshots, self.max_batch, self.max_wait_s = snapshots, max_batch, max_wait_s
+        self.on_batch = on_batch or (lambda n: None)
         self.queue: queue.Queue[Job] = queue.Queue()
-        self.batch_sizes: list[int] = []  # since the last read (metrics)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
         self._thread.start()
@@ -135,7 +136,7 @@ class Batcher:
                     self._release(prefetched)
                     prefetched = None
                 continue
-            self.batch_sizes.append(len(batch))
+            self.on_batch(len(batch))
             with self.snapshots.use() as (version, model):
                 with self.queue.mutex:
                     waiting = list(self.queue.queue)[: self.max_batch]  # the next batch, most likely
@@ -192,7 +193,7 @@ class Batcher:
 class Metrics:
     """Prometheus metrics of the server and of the served version's inference table."""
 
-    def __init__(self, snapshots: Snapshots, batcher: Batcher):
+    def __init__(self, snapshots: Snapshots):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
@@ -201,15 +202,12 @@ class Metrics:
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.batch = Histogram("hstu_batch_size", "Requests per device batch", registry=self.registry,
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-        self.snapshots, self.batcher = snapshots, batcher
+        self.snapshots = snapshots
         self.registry.register(self)
 
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        sizes, self.batcher.batch_sizes = self.batcher.batch_sizes, []
-        for n in sizes:
-            self.batch.observe(n)
         with self.snapshots.use() as (version, model):
             stats = model.table.stats()
         info = GaugeMetricFamily("hstu_model_version", "The model version served", labels=["version"])
@@ -264,8 +262,8 @@ def create_app(export: str | Path, config: ServingConfig = ServingConfig(), devi
     async def lifespan(app: FastAPI):
         model = await asyncio.to_thread(load, export)
         state["snapshots"] = Snapshots(model.version, model, lambda m: m.close())
-        state["batcher"] = Batcher(state["snapshots"], max_batch, max_wait_ms / 1000)
-        state["metrics"] = Metrics(state["snapshots"], state["batcher"])
+        state["metrics"] = Metrics(state["snapshots"])
+        state["batcher"] = Batcher(state["snapshots"], max_batch, max_wait_ms / 1000, state["metrics"].batch.observe)
         state["swap"] = asyncio.Lock()
         yield
         state["batcher"].stop()
