@@ -2,7 +2,8 @@
 and load."""
 from .collection import DynamicEmbeddingCollection, FeatureConfig
 from .dump import DumpError, PendingDump, dump, dump_async, load, read_manifest
-from .embedding import DynamicEmbedding, EmbeddingConfig, ShardedDynamicEmbedding, TableStats
+from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
+from .sharded import ShardedDynamicEmbedding
 from .hashing import EMPTY_KEY, shard_of
 from .optimizers import OptimizerConfig
 from .sharded_collection import ShardedDynamicEmbeddingCollection

@@ -27,7 +27,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..files import file_digest, fsync_path, write_json_atomic
-from .embedding import EmbeddingConfig, ShardedDynamicEmbedding
+from .embedding import EmbeddingConfig
+from .sharded import ShardedDynamicEmbedding
 from .hashing import shard_of
 
 FORMAT = "hstu-dynamic-embedding-dump"

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .collection import DynamicEmbeddingCollection
-from .embedding import EmbeddingConfig, ShardedDynamicEmbedding, TableStats
+from .embedding import EmbeddingConfig, TableStats
+from .sharded import ShardedDynamicEmbedding
 from .hashing import shard_of
 from .table import sum_by_key
 
