@@ -2,9 +2,11 @@
 and the machine's system metrics.
 
 Lightning's MLFlowLogger sends each step's metrics at once and raises when the server does
-not answer. This one keeps a batch that could not be sent (each metric with its own step
-and time) and sends it ahead of the next one, so a server that is down for a while loses
-nothing it comes back for; past MAX_PENDING metrics the oldest are dropped. It warns once
+not answer. This one collects them (each metric with its own step and time) and sends what
+it holds at most every FLUSH_INTERVAL_S seconds, and at the end: one request a second
+rather than one a step. What could not be sent is kept and sent with the next batch, so
+a server that is down for a while loses nothing it comes back for; past MAX_PENDING
+metrics the oldest are dropped. It warns once
 per outage, and the run's final status is set if the server is back by then. The HTTP
 client's retries are kept short (HTTP_RETRIES, HTTP_TIMEOUT_S) so that a step waits
 seconds, not minutes, for a server that is down: the buffer does the retrying.
@@ -18,6 +20,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 MAX_PENDING = 100_000  # metrics kept while the server is unreachable
+FLUSH_INTERVAL_S = 1.0  # the most often metrics are sent
 BATCH_LIMIT = 1000  # metrics per log_batch call (MLflow's limit)
 HTTP_RETRIES, HTTP_TIMEOUT_S = "1", "10"
 NOT_METRICS = ("epoch",)  # Lightning adds the epoch to every log; the step says where a metric is
@@ -34,6 +37,7 @@ class BufferedMLFlowLogger(MLFlowLogger):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pending: list = []  # mlflow.entities.Metric not yet sent, oldest first
+        self._last_flush = 0.0  # time.monotonic() of the last attempt to send
         self._down_since: float | None = None
         self.last_error: Exception | None = None
 
@@ -46,10 +50,12 @@ class BufferedMLFlowLogger(MLFlowLogger):
             Metric(key=METRIC_NAME_DROP.sub("", k), value=float(v), timestamp=now, step=step or 0)
             for k, v in metrics.items() if not isinstance(v, str) and k not in NOT_METRICS
         ]
-        self.flush()
+        if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S or len(self.pending) >= BATCH_LIMIT:
+            self.flush()
 
     def flush(self) -> bool:
         """Sends what is pending → whether everything went."""
+        self._last_flush = time.monotonic()
         try:
             while self.pending:
                 self.experiment.log_batch(run_id=self.run_id, metrics=self.pending[:BATCH_LIMIT])
@@ -84,7 +90,7 @@ def start_system_metrics(tracking_uri: str, run_id: str, node: int | None = None
     memory through NVML where there are GPUs) logging `system/...` into the run every
     MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds (10) from a background thread, as
     `system/node<N>/...` when `node` is given (one per node of a multi-node job). Returns
-    the monitor (its finish() stops it), or None where psutil is missing."""
+    the monitor (stop_system_metrics stops it), or None where psutil is missing."""
     try:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

@@ -28,6 +28,7 @@ from .sasrec import SASRecConfig
 MODELS = ("hstu", "sasrec")
 MONITOR = "ndcg@10"  # the validation metric that picks the best checkpoint
 GPU_LOADER_WORKERS = 4  # loader processes per training process on a GPU: batches built ahead
+GPU_LOG_EVERY = 50  # steps between metric logs on GPUs: a log waits for the GPU to read its values
 
 
 def precision_for(accelerator: str, precision: str = "auto") -> str:
@@ -66,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also checkpoint every this many steps within an epoch (the newest one kept)")
     p.add_argument("--checkpoint-minutes", type=float, default=None,
                    help="also checkpoint once this many minutes have passed since the last checkpoint")
-    p.add_argument("--log-every", type=int, default=1, help="steps between metric logs")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="steps between metric logs (default: 1 on CPUs; 50 on GPUs, where each log reads values back from the GPU)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI; no MLflow without it")
     p.add_argument("--run-id", help="MLflow run to log into")
     p.add_argument("--no-progress-bar", action="store_true")
@@ -137,7 +139,7 @@ def main(argv=None) -> Path:
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         logger=logger,
-        log_every_n_steps=args.log_every,
+        log_every_n_steps=args.log_every or (GPU_LOG_EVERY if accelerator == "gpu" else 1),
         enable_checkpointing=False,
         callbacks=[validation, checkpoints],  # in this order: see callbacks.py
         enable_progress_bar=not args.no_progress_bar,

@@ -101,3 +101,21 @@ def test_a_pipeline_run_without_a_run_id_opens_one_and_ends_it(tmp_path):
     assert run.info.status == "FAILED" and client.get_run(other).info.status == "FINISHED"
     assert run.info.run_name == "ml-1m-hstu" and run.data.params == {"pipeline_dataset": "ml-1m", "pipeline_epochs": "3"}
     assert run.data.tags[tracking.PIPELINE_RUN_TAG] == "kfp-1" and "mlflow.source.git.commit" in run.data.tags
+
+
+def test_the_worker_logger_sends_at_most_once_a_second_and_everything_at_the_end(tmp_path):
+    from lightning_modules.tracking_logger import BufferedMLFlowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = BufferedMLFlowLogger(experiment_name="hstu", tracking_uri=uri)
+    calls = []
+    send = logger.experiment.log_batch
+    logger.experiment.log_batch = lambda **kw: (calls.append(len(kw["metrics"])), send(**kw))
+    start = time.monotonic()
+    for step in range(200):
+        logger.log_metrics({"train/loss": 1.0 / (step + 1), "epoch": 0}, step=step)
+    fast = time.monotonic() - start < 1.0
+    logger.finalize("success")
+    history = MlflowClient(uri).get_metric_history(logger.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(200)) and "epoch" not in MlflowClient(uri).get_run(logger.run_id).data.metrics
+    assert sum(calls) == 200 and (len(calls) <= 3 or not fast)  # a request a second, not a step
