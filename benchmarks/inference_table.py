@@ -90,7 +90,6 @@ def run(n_ids: int, dim: int, batch: int, warmup: int, timed_batches: int, devic
 
     find(work_batches[0])  # compiles the probe kernel outside the timing
     on_device = timed(find, work_batches, device)
-    del flat
     return {
         "ids": n_ids, "dim": dim, "batch": batch, "build_s": build_s, "tiered_ids_per_s": tiered,
         "device_share": share["device"], "host_share": share["host"], "disk_share": share["disk"],

@@ -45,9 +45,8 @@ import torch
 
 from ..launch import cdiv, launch, next_power_of_2
 from .counters import REJECTIONS
-from .embedding import STEP_POLICIES, DynamicEmbedding, EmbeddingConfig, TableStats
+from .embedding import STEP_POLICIES, DynamicEmbedding, EmbeddingConfig, TableStats, epoch_use_score
 from .hashing import EMPTY_KEY
-from .table import MISSING
 from .multi_table_kernels import (
     _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
     _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
@@ -153,6 +152,7 @@ class _Group:
         self._inserting = _to_device([not m.config.read_only for m in members], torch.int64, self.device)
         self._policies = [m.config.eviction for m in members]
         self.per_key_scores = any(p not in TABLE_SCORED for p in self._policies)
+        self.counting = any(p in ("lfu", "epoch_lfu") for p in self._policies)  # scores from stored uses
         self.admitting = any(m.counters is not None for m in members)
         self._policy_codes = _to_device([POLICY_CODES.get(p, STEP_SCORED) for p in self._policies], torch.int64, self.device)
         # members count into rows of one tensor, so one add serves them all
@@ -207,30 +207,36 @@ class _Group:
         base = [s if s == never else s - offset for s in scores]
         return self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device)), offset
 
-    def _key_scores(self, r: _Routing, lane_scores: torch.Tensor | None) -> torch.Tensor:
+    def _stored(self, r: _Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Before the claim, per segment: whether it holds an id, its table (0 past the
+        count: those entries are not written), its slot (< 0: not stored) and its copies."""
+        n = r.keys.numel()
+        valid = torch.arange(n, device=self.device) < r.count
+        tids = torch.where(valid, r.tids, 0)
+        slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count)
+        return valid, tids, slots, torch.bincount(r.number.long(), minlength=n)[:n]
+
+    def _key_scores(self, r: _Routing, stored: tuple, lane_scores: torch.Tensor | None) -> torch.Tensor:
         """Each segment's score for the claim, as its table's DynamicEmbedding scores an id:
         the table's step score; lfu: the uses stored plus this call's copies; epoch_lfu: the
         same within the epoch (the epoch in the high 32 bits); custom: the highest of its
-        copies' given scores; read-only tables: int64 min (the claim never lowers a score)."""
+        copies' given scores; read-only tables: int64 min (the claim never lowers a score).
+        stored: _stored(r)."""
         n = r.keys.numel()
-        # segments past r.count hold no id (their entries are not written): table 0's
-        tids = torch.where(torch.arange(n, device=self.device) < r.count, r.tids, 0)
+        _, tids, slots, uses = stored
         never = torch.iinfo(torch.int64).min
         step = _to_device([never if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0)
                            for m, p in zip(self.members, self._policies)], torch.int64, self.device)
         scores = step[tids]
         code = self._policy_codes[tids]
-        if any(p in ("lfu", "epoch_lfu") for p in self._policies):
-            uses = torch.bincount(r.number.long(), minlength=n)[:n]
-            slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count)
+        if self.counting:
             old = torch.zeros(n, dtype=torch.int64, device=self.device)
             for i, (m, p) in enumerate(zip(self.members, self._policies)):
                 if p in ("lfu", "epoch_lfu"):  # each table's stored scores, where the id is stored there
                     mine = (tids == i) & (slots >= 0)
                     old = torch.where(mine, m.table.scores[slots.clamp(0, m.table.capacity - 1)], old)
             epoch = _to_device([m.epoch for m in self.members], torch.int64, self.device)[tids]
-            same_epoch = (old >> 32) == epoch
-            counted = (epoch << 32) | ((torch.where(same_epoch, old & 0xFFFFFFFF, 0) + uses) & 0xFFFFFFFF)
+            counted = epoch_use_score(old, uses, epoch)
             scores = torch.where(code == LFU, old + uses, torch.where(code == EPOCH_LFU, counted, scores))
         if lane_scores is not None:
             given = torch.full((n,), never, dtype=torch.int64, device=self.device)
@@ -259,8 +265,9 @@ class _Group:
         if train:
             for m in self.members:
                 m.table.placements += 1  # the claim below inserts and evicts
-            refused = self._admission(r) if self.admitting else None
-            slots, inserted = self._claim(r, self._claim_scores(r, ids, scores), refused)
+            stored = self._stored(r) if self.admitting or self.per_key_scores else None
+            refused = self._admission(r, stored) if self.admitting else None
+            slots, inserted = self._claim(r, self._claim_scores(r, stored, ids, scores), refused)
             launch(
                 _init_rows_kernel, (cdiv(n, LANE_BLOCK),),
                 r.keys, r.tids, slots, inserted.view(torch.int8), r.count, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
@@ -284,7 +291,7 @@ class _Group:
         self.routing = r
         return list(out.split(sizes))
 
-    def _claim_scores(self, r: _Routing, ids: list[torch.Tensor], scores: list | None) -> tuple[torch.Tensor, int, bool]:
+    def _claim_scores(self, r: _Routing, stored, ids: list[torch.Tensor], scores: list | None) -> tuple[torch.Tensor, int, bool]:
         """The claim's scores: (per table, their offset, True), or (per segment, 0, False)."""
         if not self.per_key_scores:
             return (*self._table_scores(), True)
@@ -296,36 +303,24 @@ class _Group:
         if any(s is not None for s in scores):
             lane_scores = torch.cat([s.reshape(-1) if s is not None else torch.zeros(x.numel(), dtype=torch.int64)
                                      for s, x in zip(scores, ids)]).to(self.device, torch.int64)
-        return self._key_scores(r, lane_scores), 0, False
+        return self._key_scores(r, stored, lane_scores), 0, False
 
-    def _admission(self, r: _Routing) -> torch.Tensor:
+    def _admission(self, r: _Routing, stored: tuple) -> torch.Tensor:
         """(N,) bool: the segments that may not have a row: new ids of members with an
-        admission threshold whose count (in the member's counter table, bumped by this
-        call's copies) is below it, as DynamicEmbedding._admit decides. They count as
-        lookups, not as rejections. (Host waits: one per admitting member with new ids.)"""
-        n = r.keys.numel()
-        valid = torch.arange(n, device=self.device) < r.count
-        tids = torch.where(valid, r.tids, 0)
-        slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count)
-        uses = torch.bincount(r.number.long(), minlength=n)[:n]
-        refused = torch.zeros(n, dtype=torch.bool, device=self.device)
+        admission threshold that their DynamicEmbedding does not admit yet (_count_new).
+        They count as lookups, not as rejections. stored: _stored(r). (Host waits: one
+        per admitting member with new ids.)"""
+        valid, tids, slots, uses = stored
+        refused = torch.zeros(r.keys.numel(), dtype=torch.bool, device=self.device)
         for i, m in enumerate(self.members):
             if m.counters is None:
                 continue
             new = (valid & (tids == i) & (slots < 0)).nonzero().squeeze(1)
             if new.numel() == 0:
                 continue
-            keys = r.keys[new]
-            before = m.counters.find(keys)
-            seen = torch.where(before != MISSING, m.counters.scores[before.clamp(min=0)], 0) + uses[new]
-            m.counters.find_or_insert(keys, seen)  # a full counter table forgets its lowest counts
-            admitted = seen >= m.config.admission_threshold
-            m.counters.erase(keys[admitted])
+            admitted = m._count_new(r.keys[new], uses[new])
             refused[new[~admitted]] = True
-            n_admitted = int(admitted.sum())
-            m._stats.admissions += n_admitted
-            m._stats.admission_rejections += new.numel() - n_admitted
-            self._counts[i, REJECTIONS] -= new.numel() - n_admitted
+            self._counts[i, REJECTIONS] -= (~admitted).sum()
         return refused
 
     def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], refused: torch.Tensor | None = None):

@@ -138,6 +138,14 @@ def initial_embeddings(keys: torch.Tensor, config: EmbeddingConfig) -> torch.Ten
     return ((2 * uniform_from_keys(keys, config.dim, config.seed) - 1) * init_scale(config)).to(torch.float32)
 
 
+def epoch_use_score(old: torch.Tensor, uses: torch.Tensor, epoch) -> torch.Tensor:
+    """The epoch_lfu score of ids used `uses` more times, from their scores `old` (0 where
+    new): the epoch in the high 32 bits, the uses within it in the low 32 (a score of an
+    earlier epoch starts the count again). `epoch`: an int, or one per id."""
+    same_epoch = (old >> 32) == epoch
+    return (epoch << 32) | ((torch.where(same_epoch, old & 0xFFFFFFFF, 0) + uses) & 0xFFFFFFFF)
+
+
 def init_scale(config: EmbeddingConfig) -> float:
     """s of the initial uniform on (-s, s): its standard deviation is init_std."""
     return 3**0.5 * config.init_std
@@ -380,10 +388,7 @@ class DynamicEmbedding:
         for table in self._tiers:
             slots = table.find(uniq)
             old = torch.where(slots != MISSING, table.scores[slots.clamp(min=0)], old)
-        if policy == "lfu":
-            return old + counts
-        same_epoch = (old >> 32) == self.epoch  # epoch_lfu: uses counted within the epoch
-        return (self.epoch << 32) | ((torch.where(same_epoch, old & 0xFFFFFFFF, 0) + counts) & 0xFFFFFFFF)
+        return old + counts if policy == "lfu" else epoch_use_score(old, counts, self.epoch)
 
     def _step_score(self, step: int) -> int:
         """The score of a row used at `step` under a step-based policy."""
@@ -396,15 +401,23 @@ class DynamicEmbedding:
         (kept in the counter table, bumped by this batch's uses) reaches the threshold."""
         keep = self.table.find(uniq) != MISSING
         new = (~keep).nonzero().squeeze(1)
-        before = self.counters.find(uniq[new])
-        seen = torch.where(before != MISSING, self.counters.scores[before.clamp(min=0)], 0) + counts[new]
-        self.counters.find_or_insert(uniq[new], seen)  # a full counter table forgets its lowest counts
-        admitted = seen >= self.config.admission_threshold
-        self.counters.erase(uniq[new][admitted])
-        keep[new] = admitted
-        self._stats.admissions += int(admitted.sum())
-        self._stats.admission_rejections += int((~admitted).sum())
+        keep[new] = self._count_new(uniq[new], counts[new])
         return keep
+
+    def _count_new(self, keys: torch.Tensor, uses: torch.Tensor) -> torch.Tensor:
+        """Admission of distinct ids without a row, seen `uses` times in this call: adds
+        the uses to their counts in the counter table; those whose count reaches the
+        threshold are admitted (their counts dropped), counted in the statistics either
+        way. Returns the admitted mask. (A collection's group admits through this too.)"""
+        before = self.counters.find(keys)
+        seen = torch.where(before != MISSING, self.counters.scores[before.clamp(min=0)], 0) + uses
+        self.counters.find_or_insert(keys, seen)  # a full counter table forgets its lowest counts
+        admitted = seen >= self.config.admission_threshold
+        self.counters.erase(keys[admitted])
+        n_admitted = int(admitted.sum())
+        self._stats.admissions += n_admitted
+        self._stats.admission_rejections += keys.numel() - n_admitted
+        return admitted
 
     def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Sums the gradients of duplicate ids and applies the optimizer to their rows."""
