@@ -63,6 +63,7 @@ def run(n_ids: int, dim: int, batch: int, warmup: int, timed_batches: int, devic
         part = ids[start : start + CHUNK]
         store.append(part, torch.randn(part.numel(), dim, generator=g))
     build_s = time.perf_counter() - t
+    store_bytes = store.bytes_on_disk()
     ids = ids[torch.randperm(ids.numel(), generator=g)]  # a random popularity ranking
     config = InferenceConfig(EmbeddingConfig(dim=dim), device_rows=int(n_ids * DEVICE_SHARE), host_rows=int(n_ids * HOST_SHARE))
     table = InferenceTable(config, store, device)
@@ -91,7 +92,7 @@ def run(n_ids: int, dim: int, batch: int, warmup: int, timed_batches: int, devic
     find(work_batches[0])  # compiles the probe kernel outside the timing
     on_device = timed(find, work_batches, device)
     return {
-        "ids": n_ids, "dim": dim, "batch": batch, "build_s": build_s, "tiered_ids_per_s": tiered,
+        "ids": n_ids, "dim": dim, "batch": batch, "build_s": build_s, "store_gib": store_bytes / 2**30, "tiered_ids_per_s": tiered,
         "device_share": share["device"], "host_share": share["host"], "disk_share": share["disk"],
         "all_on_device_ids_per_s": on_device,
     }

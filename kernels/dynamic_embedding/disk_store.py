@@ -29,6 +29,13 @@ def key_bytes(ids: np.ndarray) -> list[bytes]:
     return [raw[i : i + 8] for i in range(0, len(raw), 8)]
 
 
+def row_bytes(rows: torch.Tensor) -> list[bytes]:
+    """(N, dim) rows → each row's float32 bytes."""
+    data = rows.detach().cpu().to(torch.float32).contiguous().numpy().tobytes()
+    size = len(data) // rows.shape[0] if rows.shape[0] else 0
+    return [data[i : i + size] for i in range(0, len(data), size)] if size else []
+
+
 class DiskStore:
     """Rows of one embedding table on disk, at `path` (a directory)."""
 
@@ -42,7 +49,6 @@ class DiskStore:
         # sync off: a store is rebuilt from its dump, never recovered after a crash
         self.env = lmdb.open(str(self.path), map_size=map_size, readahead=False, sync=False, metasync=False,
                              max_readers=1024, lock=True)
-        self.row_bytes = dim * 4
 
     @staticmethod
     def build(path: str | Path, keys: torch.Tensor, rows: torch.Tensor) -> "DiskStore":
@@ -62,10 +68,8 @@ class DiskStore:
         flat = keys.detach().cpu().numpy().astype(np.int64)
         if flat.size == 0:
             return
-        data = rows.detach().cpu().to(torch.float32).contiguous().numpy().tobytes()
-        rb = self.row_bytes
         with self.env.begin(write=True) as txn:
-            pairs = zip(key_bytes(flat), (data[i * rb : (i + 1) * rb] for i in range(flat.size)))
+            pairs = zip(key_bytes(flat), row_bytes(rows))
             added = txn.cursor().putmulti(pairs, append=True)[1]
             if added != flat.size:  # LMDB refuses a key out of order in append mode; raising aborts
                 raise ValueError("append: keys must be distinct, ascending and above every stored key")
@@ -85,12 +89,9 @@ class DiskStore:
     def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Stores rows under ids (the last copy of an id wins), in one transaction: a read
         that begins after this returns sees all of them, one that began before sees none."""
-        flat = ids.detach().cpu().numpy()
-        data = rows.detach().cpu().to(torch.float32).contiguous().numpy().tobytes()
-        rb = self.row_bytes
         with self.env.begin(write=True) as txn:
-            for i, k in enumerate(key_bytes(flat)):
-                txn.put(k, data[i * rb : (i + 1) * rb])
+            for k, v in zip(key_bytes(ids.detach().cpu().numpy()), row_bytes(rows)):
+                txn.put(k, v)
 
     def __len__(self) -> int:
         return self.env.stat()["entries"]
