@@ -53,6 +53,15 @@ def export(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, mod
     return out
 
 
+def read_export_info(path: Path) -> dict:
+    """An export directory's export.json, after checking its format and the item file's
+    checksum (DumpError names the file that is wrong)."""
+    info = read_format_json(path / "export.json", FORMAT, VERSION, f"{path}: not an exported model (no export.json)")
+    if file_digest(path / "items.safetensors") != info["items_sha256"]:
+        raise DumpError(f"{path / 'items.safetensors'}: checksum mismatch (corrupted)")
+    return info
+
+
 @dataclass
 class Recommender:
     model: torch.nn.Module
@@ -64,9 +73,7 @@ class Recommender:
     @staticmethod
     def load(path: str | Path, device: str = "cpu") -> "Recommender":
         path = Path(path)
-        info = read_format_json(path / "export.json", FORMAT, VERSION, f"{path}: not an exported model (no export.json)")
-        if file_digest(path / "items.safetensors") != info["items_sha256"]:
-            raise DumpError(f"{path / 'items.safetensors'}: checksum mismatch (corrupted)")
+        info = read_export_info(path)
         model, items, _ = model_files.load_model(path / "model", device)
         item_ids = load_file(path / "items.safetensors")["item_ids"].to(device)
         item_emb = F.normalize(items.embed(item_ids), dim=-1)

@@ -13,7 +13,6 @@ through the model as one jagged batch, and
 A score is the cosine-scaled product the model ranks by: the history's output at its last
 position against the candidate's normalized embedding, as `export.Recommender` computes.
 """
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +20,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kernels.dynamic_embedding import DumpError
-from kernels.dynamic_embedding.dump import read_format_json
 from kernels.dynamic_embedding.inference import InferenceTable, Lease
-from kernels.files import file_digest
 
-from . import export as export_format
+from .export import read_export_info
 from . import model_files
 
 CATALOG_CHUNK = 1 << 16  # candidates scored per product in recommend
@@ -55,10 +51,7 @@ class ServedModel:
     """An export loaded for serving. `version` is the export's model version."""
 
     def __init__(self, export_dir: Path, store_dir: Path, config: ServingConfig, device: torch.device | str = "cpu"):
-        info = read_format_json(export_dir / "export.json", export_format.FORMAT, export_format.VERSION,
-                                f"{export_dir}: not an exported model (no export.json)")
-        if file_digest(export_dir / "items.safetensors") != info["items_sha256"]:
-            raise DumpError(f"{export_dir / 'items.safetensors'}: checksum mismatch (corrupted)")
+        info = read_export_info(export_dir)
         self.info, self.version, self.config = info, str(info["model_version"]), config
         self.device = torch.device(device)
         self.model, self.items, _ = model_files.load_model(export_dir / "model", self.device, item_table=False)
@@ -67,7 +60,6 @@ class ServedModel:
             export_dir / "model" / "embeddings", store_dir, config.device_rows, config.host_rows, self.device,
             config.missing, config.bucket_size,
         )
-        self.store_dir = store_dir
         self.catalog = load_file(export_dir / "items.safetensors")["item_ids"].to(self.device)  # sorted ids
         self.catalog_emb = torch.empty(self.catalog.numel(), self.model.config.embedding_dim, device=self.device)
         for start in range(0, self.catalog.numel(), CATALOG_CHUNK):  # straight from disk: the caches stay cold
@@ -172,7 +164,6 @@ class ServedModel:
     def close(self) -> None:
         """Releases the version: its tables, its disk store's files, its device memory."""
         self.table.close(remove_files=True)
-        shutil.rmtree(self.store_dir, ignore_errors=True)
         self.model = self.items = self.catalog_emb = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
