@@ -177,6 +177,40 @@ def test_triton_find_never_finds_the_reserved_key_and_inserts_refuse_it(max_capa
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("count", [None, 5])
+def test_probe_returns_the_stored_scores_of_several_tables(count):
+    """probe(scores=) across a stack of tables: each found key's score in its own table
+    (the reference table's, for the same inserts), 0 for missing keys; past a device
+    count nothing is written."""
+    from kernels.dynamic_embedding.probe_kernels import probe
+
+    g = torch.Generator().manual_seed(3)
+    tables, refs = [], []
+    for t in range(3):
+        keys = torch.randint(-1000, 1000, (40,), generator=g).unique()
+        scores = torch.randint(1, 10**12, (keys.numel(),), generator=g)
+        tri = TritonHashTable(row_dim=2, capacity=64, bucket_size=8, device=DEVICE)
+        ref = ReferenceHashTable(row_dim=2, capacity=64, bucket_size=8)
+        tri.find_or_insert(keys.to(DEVICE), scores.to(DEVICE))
+        ref.find_or_insert(keys, scores)
+        tables.append(tri)
+        refs.append(ref)
+    query = torch.randint(-1000, 1000, (30,), generator=g)
+    tids = torch.randint(0, 3, (30,), generator=g)
+    desc = torch.stack([t.descriptor() for t in tables])
+    got = torch.full((30,), -7, dtype=torch.int64, device=DEVICE)
+    n = torch.tensor([count], dtype=torch.int32, device=DEVICE) if count is not None else None
+    slots = probe(desc, query.to(DEVICE), 8, 0, tids.to(DEVICE), count=n, scores=got)
+    expected = []
+    for k, t in zip(query.tolist(), tids.tolist()):
+        s = refs[t].find(torch.tensor([k]))
+        expected.append(int(refs[t].scores[s]) if s.item() >= 0 else 0)
+    used = count if count is not None else 30
+    assert got[:used].tolist() == expected[:used]
+    assert (got[used:] == -7).all()  # past the count: left as they were
+    assert ((slots[:used] >= 0).cpu() == torch.tensor(expected[:used]).ne(0)).all()
+
+
 def keys_sharing_a_digest(n: int, num_buckets: int, bucket: int) -> torch.Tensor:
     """n keys of one bucket whose hashes share their top byte (the probe's digest)."""
     pool = torch.arange(1, 400_000, dtype=torch.int64)

@@ -44,11 +44,10 @@ from dataclasses import dataclass
 import torch
 
 from ..launch import cdiv, launch, next_power_of_2
-from .counters import REJECTIONS
 from .embedding import STEP_POLICIES, DynamicEmbedding, EmbeddingConfig, TableStats, epoch_use_score
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import (
-    _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
+    _admit_kernel, _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
     _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
 )
 from .triton_optimizers import optimizer_args
@@ -135,6 +134,17 @@ class _Routing:
     placements: tuple = ()
 
 
+@dataclass
+class _Stored:
+    """Per segment of a call, before its claim (N entries, the first `count` used)."""
+
+    valid: torch.Tensor  # whether the entry is a segment (below the count)
+    tids: torch.Tensor  # its table (0 past the count)
+    slots: torch.Tensor  # its slot in its table; < 0: not stored
+    old: torch.Tensor  # its stored score (0 if not stored)
+    uses: torch.Tensor  # the call's copies of its id
+
+
 class _Group:
     """Tables of one row layout, addressed by one stack of descriptors."""
 
@@ -154,7 +164,11 @@ class _Group:
         self.per_key_scores = any(p not in TABLE_SCORED for p in self._policies)
         self.counting = any(p in ("lfu", "epoch_lfu") for p in self._policies)  # scores from stored uses
         self.admitting = any(m.counters is not None for m in members)
-        self._policy_codes = _to_device([POLICY_CODES.get(p, STEP_SCORED) for p in self._policies], torch.int64, self.device)
+        self._admits = _to_device([m.counters is not None for m in members], torch.int8, self.device)
+        self._thresholds = _to_device([m.config.admission_threshold for m in members], torch.int64, self.device)
+        # how each member scores ids in the claim (a read-only member: its step score, never)
+        self._score_codes = _to_device([STEP_SCORED if m.config.read_only else POLICY_CODES.get(p, STEP_SCORED)
+                                        for m, p in zip(members, self._policies)], torch.int64, self.device)
         # members count into rows of one tensor, so one add serves them all
         self._counts = torch.stack([m._counts for m in members])
         for i, m in enumerate(members):
@@ -207,43 +221,39 @@ class _Group:
         base = [s if s == never else s - offset for s in scores]
         return self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device)), offset
 
-    def _stored(self, r: _Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Before the claim, per segment: whether it holds an id, its table (0 past the
-        count: those entries are not written), its slot (< 0: not stored) and its copies."""
+    def _stored(self, r: _Routing) -> "_Stored":
+        """Before the claim: where each segment's id is stored in its table, and its copies."""
         n = r.keys.numel()
         valid = torch.arange(n, device=self.device) < r.count
-        tids = torch.where(valid, r.tids, 0)
-        slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count)
-        return valid, tids, slots, torch.bincount(r.number.long(), minlength=n)[:n]
+        tids = torch.where(valid, r.tids, 0)  # segments past the count: table 0's (never written)
+        old = torch.zeros(n, dtype=torch.int64, device=self.device)
+        slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
+        uses = torch.zeros(n, dtype=torch.int64, device=self.device)
+        uses.index_add_(0, r.number.long(), torch.ones_like(r.number, dtype=torch.int64))  # bincount waits for the GPU
+        return _Stored(valid, tids, slots, old, uses)
 
-    def _key_scores(self, r: _Routing, stored: tuple, lane_scores: torch.Tensor | None) -> torch.Tensor:
+    def _key_scores(self, r: _Routing, stored: "_Stored", lane_scores: torch.Tensor | None) -> torch.Tensor:
         """Each segment's score for the claim, as its table's DynamicEmbedding scores an id:
         the table's step score; lfu: the uses stored plus this call's copies; epoch_lfu: the
         same within the epoch (the epoch in the high 32 bits); custom: the highest of its
-        copies' given scores; read-only tables: int64 min (the claim never lowers a score).
-        stored: _stored(r)."""
-        n = r.keys.numel()
-        _, tids, slots, uses = stored
+        copies' given scores; read-only tables: int64 min (the claim never lowers a score)."""
         never = torch.iinfo(torch.int64).min
-        step = _to_device([never if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0)
-                           for m, p in zip(self.members, self._policies)], torch.int64, self.device)
-        scores = step[tids]
-        code = self._policy_codes[tids]
+        # per member, as of this call: its step score (never: read-only) and its epoch
+        per_table = _to_device([
+            [never if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0) for m, p in zip(self.members, self._policies)],
+            [m.epoch for m in self.members],
+        ], torch.int64, self.device)
+        tids, old, uses = stored.tids, stored.old, stored.uses
+        code = self._score_codes[tids]
+        scores = per_table[0][tids]
         if self.counting:
-            old = torch.zeros(n, dtype=torch.int64, device=self.device)
-            for i, (m, p) in enumerate(zip(self.members, self._policies)):
-                if p in ("lfu", "epoch_lfu"):  # each table's stored scores, where the id is stored there
-                    mine = (tids == i) & (slots >= 0)
-                    old = torch.where(mine, m.table.scores[slots.clamp(0, m.table.capacity - 1)], old)
-            epoch = _to_device([m.epoch for m in self.members], torch.int64, self.device)[tids]
-            counted = epoch_use_score(old, uses, epoch)
-            scores = torch.where(code == LFU, old + uses, torch.where(code == EPOCH_LFU, counted, scores))
+            scores = torch.where(code == LFU, old + uses, scores)
+            scores = torch.where(code == EPOCH_LFU, epoch_use_score(old, uses, per_table[1][tids]), scores)
         if lane_scores is not None:
-            given = torch.full((n,), never, dtype=torch.int64, device=self.device)
-            given.scatter_reduce_(0, r.number.long(), lane_scores.to(self.device, torch.int64), "amax")
+            given = torch.full_like(scores, never)
+            given.scatter_reduce_(0, r.number.long(), lane_scores, "amax")
             scores = torch.where(code == CUSTOM, given, scores)
-        read_only = _to_device([m.config.read_only for m in self.members], torch.bool, self.device)[tids]
-        return torch.where(read_only, never, scores)
+        return scores
 
     def _flat_ids(self, x: torch.Tensor) -> torch.Tensor:
         if x.device == self.device and x.dtype == torch.int64 and x.dim() == 1:
@@ -301,27 +311,39 @@ class _Group:
                 raise ValueError(f"{name}: the custom eviction policy needs scores in lookup()")
         lane_scores = None
         if any(s is not None for s in scores):
-            lane_scores = torch.cat([s.reshape(-1) if s is not None else torch.zeros(x.numel(), dtype=torch.int64)
-                                     for s, x in zip(scores, ids)]).to(self.device, torch.int64)
+            lane_scores = torch.cat([s.reshape(-1).to(self.device, torch.int64) if s is not None
+                                     else torch.zeros(x.numel(), dtype=torch.int64, device=self.device)
+                                     for s, x in zip(scores, ids)])
         return self._key_scores(r, stored, lane_scores), 0, False
 
-    def _admission(self, r: _Routing, stored: tuple) -> torch.Tensor:
+    def _admission(self, r: _Routing, stored: _Stored) -> torch.Tensor:
         """(N,) bool: the segments that may not have a row: new ids of members with an
-        admission threshold that their DynamicEmbedding does not admit yet (_count_new).
-        They count as lookups, not as rejections. stored: _stored(r). (Host waits: one
-        per admitting member with new ids.)"""
-        valid, tids, slots, uses = stored
-        refused = torch.zeros(r.keys.numel(), dtype=torch.bool, device=self.device)
-        for i, m in enumerate(self.members):
-            if m.counters is None:
-                continue
-            new = (valid & (tids == i) & (slots < 0)).nonzero().squeeze(1)
-            if new.numel() == 0:
-                continue
-            admitted = m._count_new(r.keys[new], uses[new])
-            refused[new[~admitted]] = True
-            self._counts[i, REJECTIONS] -= (~admitted).sum()
+        admission threshold, counted as DynamicEmbedding._count_new counts them: their
+        stored count plus this call's copies; those below the threshold keep the count in
+        their member's counter table, the others are admitted and their count dropped
+        (_admit_kernel). Refused ids count as lookups, not as rejections. No host wait."""
+        n = r.keys.numel()
+        desc = self._counter_descriptors()
+        counted = torch.zeros_like(r.keys)
+        found = probe(desc, r.keys, self.bucket_size, 0, stored.tids, count=r.count, scores=counted)
+        claim_keys, seen = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind()
+        refused = torch.empty(n, dtype=torch.bool, device=self.device)
+        launch(
+            _admit_kernel, (cdiv(n, SCAN_BLOCK),),
+            r.keys, stored.tids, stored.slots, found, counted, stored.uses, r.count, n, self._admits, self._thresholds, desc,
+            self._counts, claim_keys, seen, refused.view(torch.int8), len(self.members), BLOCK=SCAN_BLOCK,
+        )
+        # the refused ids' counts stored (the claim skips the reserved key: the others)
+        claim(desc, claim_keys, seen, self.bucket_size, stored.tids, count=r.count, victims=False)
         return refused
+
+    def _counter_descriptors(self) -> torch.Tensor:
+        """The members' counter tables, in a stack of descriptors (a member without one:
+        another's; no key of that member is ever looked up in it)."""
+        tables = [m.counters for m in self.members if m.counters is not None]
+        mine = [m.counters if m.counters is not None else tables[0] for m in self.members]
+        return self._cached("counter_desc", tuple(t.keys.data_ptr() for t in mine),
+                            lambda: torch.stack([t.descriptor() for t in mine]))
 
     def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], refused: torch.Tensor | None = None):
         """find_or_insert of the segments' ids in their tables with `scored` (_claim_scores),

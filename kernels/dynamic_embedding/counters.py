@@ -4,10 +4,12 @@ per name, in this order. A table keeps a (NUM_COUNTED,) tensor; a group of table
 """
 import triton.language as tl
 
-COUNTED = ("lookups", "hits", "inserts", "rejections", "evictions")
-LOOKUPS, HITS, INSERTS, REJECTIONS, EVICTIONS = range(len(COUNTED))
+COUNTED = ("lookups", "hits", "inserts", "rejections", "evictions", "admissions", "admission_rejections")
+LOOKUPS, HITS, INSERTS, REJECTIONS, EVICTIONS, ADMISSIONS, ADMISSION_REJECTIONS = range(len(COUNTED))
 NUM_COUNTED = len(COUNTED)
 
 # the same, for kernels (which read only constexpr globals)
-K_LOOKUPS, K_HITS, K_INSERTS, K_REJECTIONS, K_EVICTIONS = (tl.constexpr(i) for i in range(NUM_COUNTED))
+K_LOOKUPS, K_HITS, K_INSERTS, K_REJECTIONS, K_EVICTIONS, K_ADMISSIONS, K_ADMISSION_REJECTIONS = (
+    tl.constexpr(i) for i in range(NUM_COUNTED)
+)
 K_NUM_COUNTED = tl.constexpr(NUM_COUNTED)

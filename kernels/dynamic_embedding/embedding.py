@@ -16,7 +16,7 @@ import torch
 
 from ..backend import use_triton
 from . import optimizers
-from .counters import COUNTED, EVICTIONS, HITS, LOOKUPS, NUM_COUNTED, REJECTIONS
+from .counters import ADMISSION_REJECTIONS, ADMISSIONS, COUNTED, EVICTIONS, HITS, LOOKUPS, NUM_COUNTED, REJECTIONS
 from .hashing import EMPTY_KEY, uniform_from_keys
 from .optimizers import OptimizerConfig
 from .table import MISSING, Evicted, ReferenceHashTable, highest_per_key, sum_by_key
@@ -82,7 +82,8 @@ class EmbeddingConfig:
     backend: str = "auto"  # table implementation, see table_class
     deterministic: bool = False  # Triton table: the reference's layout bit for bit (slower inserts)
     # a new id gets a row once seen this many times (counted in a table of its own
-    # capacity); until then it is served its initial embedding without being stored
+    # capacity, allocated whole: a collection's group counts without growing it); until
+    # then it is served its initial embedding without being stored
     admission_threshold: int = 1
     admission_capacity: int = 1 << 20
     read_only: bool = False  # never inserts, never bumps scores (serving, shared features)
@@ -198,7 +199,7 @@ class DynamicEmbedding:
             self.host = make_table(config, self.device, host_rows=True, preallocate=True)
         # counts of ids not yet admitted, kept as the counter table's scores
         self.counters = (
-            make_table(config, self.device, row_dim=1, capacity=config.admission_capacity)
+            make_table(config, self.device, row_dim=1, capacity=config.admission_capacity, preallocate=True)
             if config.admission_threshold > 1
             else None
         )
@@ -292,6 +293,8 @@ class DynamicEmbedding:
             (s.inserted & ~s.promoted).sum() + s.made.sum(),  # inserts, in either tier
             (~stored & ~s.held).sum(),  # rejections: ids with no row in any tier
             s.lost,
+            torch.zeros((), dtype=torch.int64, device=self.device),  # admissions (not in a tiered lookup)
+            torch.zeros((), dtype=torch.int64, device=self.device),
         ])
         self._moves += torch.stack([n_promoted, s.demoted])
         return emb
@@ -408,15 +411,16 @@ class DynamicEmbedding:
         """Admission of distinct ids without a row, seen `uses` times in this call: adds
         the uses to their counts in the counter table; those whose count reaches the
         threshold are admitted (their counts dropped), counted in the statistics either
-        way. Returns the admitted mask. (A collection's group admits through this too.)"""
+        way. Returns the admitted mask. (A collection's group counts the same way.)"""
         before = self.counters.find(keys)
         seen = torch.where(before != MISSING, self.counters.scores[before.clamp(min=0)], 0) + uses
-        self.counters.find_or_insert(keys, seen)  # a full counter table forgets its lowest counts
         admitted = seen >= self.config.admission_threshold
+        # a full counter table forgets its lowest counts
+        self.counters.find_or_insert(keys[~admitted], seen[~admitted], return_evicted=False)
         self.counters.erase(keys[admitted])
-        n_admitted = int(admitted.sum())
-        self._stats.admissions += n_admitted
-        self._stats.admission_rejections += keys.numel() - n_admitted
+        n_admitted = admitted.sum()
+        self._counts[ADMISSIONS] += n_admitted
+        self._counts[ADMISSION_REJECTIONS] += keys.numel() - n_admitted
         return admitted
 
     def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from .triton_optimizers import _load_rows, _step_rows
-from .counters import K_HITS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
-from .probe_kernels import ROW_ALIGN, _VALUES, _field, _hash
+from .counters import K_ADMISSION_REJECTIONS, K_ADMISSIONS, K_HITS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
+from .probe_kernels import K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, _field, _hash
 
 SLOT_BITS = tl.constexpr(40)  # packed (table, slot): the slot's bits
 SLOT_MASK = tl.constexpr((1 << 40) - 1)
@@ -288,3 +288,45 @@ def _segment_rows_kernel(
                     tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_HITS, hits, sem="relaxed")
                     if TRAIN:
                         tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_REJECTIONS, (lookups - hits) * tl.load(inserting_ptr + table), sem="relaxed")
+
+
+@triton.jit
+def _admit_kernel(
+    key_ptr, tid_ptr, slot_ptr, found_ptr, counted_ptr, uses_ptr, count_ptr, n, admits_ptr, threshold_ptr, cdesc_ptr,
+    counts_ptr, claim_key_ptr, seen_ptr, refused_ptr, tables, BLOCK: tl.constexpr,
+):
+    """Admission of a block of segments (n entries, the first count_ptr[0] used): a segment
+    whose id has no row (slot < 0) in a table that admits (admits[t]) is new; its count
+    is its counter table's (counted: the stored score, found: its slot there, < 0 if
+    absent) plus its copies (uses). A count at the table's threshold admits the id: its
+    counter slot is emptied (key, score, digest; cdesc: the counter tables). A count below
+    it refuses the id: refused[s] set, claim_key[s] = the id and seen[s] = the count, for
+    the claim that stores counts (every other claim_key is the reserved key, which the
+    claim skips). Counts per table: admissions, admission rejections, and rejections less
+    the refused ids (the lookup's count of ids without a row counts them)."""
+    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = s < n
+    live = s < tl.load(count_ptr)
+    t = tl.load(tid_ptr + s, mask=live, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + s, mask=live, other=0)
+    new = live & (slot < 0) & (tl.load(admits_ptr + t, mask=live, other=0) != 0)
+    seen = tl.load(counted_ptr + s, mask=live, other=0) + tl.load(uses_ptr + s, mask=live, other=0)
+    admitted = new & (seen >= tl.load(threshold_ptr + t, mask=live, other=0))
+    refused = new & ~admitted
+    key = tl.load(key_ptr + s, mask=live, other=0)
+    tl.store(claim_key_ptr + s, tl.where(refused, key, K_EMPTY_KEY), mask=inside)
+    tl.store(seen_ptr + s, seen, mask=inside)
+    tl.store(refused_ptr + s, refused.to(tl.int8), mask=inside)
+    found = tl.load(found_ptr + s, mask=admitted, other=-1)
+    clear = admitted & (found >= 0)
+    tl.store(_field(cdesc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + found, tl.full([BLOCK], K_EMPTY_KEY, tl.int64), mask=clear)
+    tl.store(_field(cdesc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64)) + found, tl.zeros([BLOCK], tl.int64), mask=clear)
+    tl.store(_field(cdesc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8)) + found, tl.zeros([BLOCK], tl.uint8), mask=clear)
+    if tl.max(new.to(tl.int32), axis=0) > 0:
+        for table in range(0, tables):
+            took = tl.sum((admitted & (t == table)).to(tl.int64), axis=0)
+            left = tl.sum((refused & (t == table)).to(tl.int64), axis=0)
+            if took + left > 0:
+                tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_ADMISSIONS, took, sem="relaxed")
+                tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_ADMISSION_REJECTIONS, left, sem="relaxed")
+                tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_REJECTIONS, -left, sem="relaxed")

@@ -201,15 +201,15 @@ def _lane_rows(
 
 @triton.jit
 def _find_kernel(
-    query_ptr, tid_ptr, n, count_ptr, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride,
+    query_ptr, tid_ptr, n, count_ptr, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride, score_ptr,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
-    MULTI: tl.constexpr, ALIGN: tl.constexpr, COUNTED: tl.constexpr, FOUND: tl.constexpr,
+    MULTI: tl.constexpr, ALIGN: tl.constexpr, COUNTED: tl.constexpr, FOUND: tl.constexpr, SCORED: tl.constexpr,
 ):
     """slot of each query key in its table (or -1); MULTI: table tid[i], else table 0.
     FOUND: slot_ptr (int8) gets whether each key is found instead.
     COUNTED: only the first count_ptr[0] keys (a device count) are looked up.
     GATHER: also copy the first out_dim values of found rows into out (rows of missing keys
-    are left untouched)."""
+    are left untouched). SCORED: score_ptr gets each key's stored score (0 if absent)."""
     if COUNTED:
         n = tl.load(count_ptr)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -225,6 +225,10 @@ def _find_kernel(
         tl.store(slot_ptr + offs, found.to(tl.int8), mask=live)
     else:
         tl.store(slot_ptr + offs, slot, mask=live)
+    if SCORED:
+        score_base = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64))
+        score = tl.load(score_base + slot, mask=live & found, other=0)
+        tl.store(score_ptr + offs, score, mask=live)
     if GATHER:
         values_base = _field(desc_ptr, t, _VALUES).to(tl.pointer_type(out_ptr.dtype.element_ty))
         _lane_rows(values_base, slot, row_stride, out_ptr, offs, found, out_dim, False, DIM_BLOCK, "", 0)
@@ -239,22 +243,27 @@ FIND_BLOCK, FIND_WARPS = 8, 2
 
 
 @functools.cache
-def _find_launch(n_args: int, bucket_size: int, out_dim: int, gather: bool, multi: bool, counted: bool, found: bool):
+def _find_launch(
+    n_args: int, bucket_size: int, out_dim: int, gather: bool, multi: bool, counted: bool, found: bool, scored: bool,
+):
     """probe's launch of _find_kernel on n_args arguments, prepared."""
     return prepare(
         _find_kernel, n_args, BUCKET=bucket_size, BLOCK=FIND_BLOCK, DIM_BLOCK=min(128, next_power_of_2(max(out_dim, 1))),
-        GATHER=gather, MULTI=multi, ALIGN=min(bucket_size, 16), COUNTED=counted, FOUND=found, num_warps=FIND_WARPS,
+        GATHER=gather, MULTI=multi, ALIGN=min(bucket_size, 16), COUNTED=counted, FOUND=found, SCORED=scored,
+        num_warps=FIND_WARPS,
     )
 
 
 def probe(
     desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
     out: torch.Tensor | None = None, count: torch.Tensor | None = None, found_only: bool = False,
+    scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slots of keys (-1 if absent) in the tables of `desc` ((T, DESCRIPTOR_WORDS); key i in
     table tids[i], or all in table 0), or with found_only whether each is stored (bool).
-    `out` (N, d) receives the first d values of found rows. count: a device scalar; only
-    the first `count` keys are looked up (the other slots are left unset)."""
+    `out` (N, d) receives the first d values of found rows; `scores` (N,) int64 the stored
+    scores (0 where absent). count: a device scalar; only the first `count` keys are
+    looked up (the other slots and scores are left unset)."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.bool if found_only else torch.int64, device=keys.device)
     if n == 0:
@@ -263,7 +272,10 @@ def probe(
     args = (
         keys, tids if tids is not None else keys, n, count if count is not None else keys, desc,
         slots.view(torch.int8) if found_only else slots, out if out is not None else slots, out_dim, row_stride,
+        scores if scores is not None else slots,
     )
-    find = _find_launch(len(args), bucket_size, out_dim, out is not None, tids is not None, count is not None, found_only)
+    find = _find_launch(
+        len(args), bucket_size, out_dim, out is not None, tids is not None, count is not None, found_only, scores is not None,
+    )
     launch_each(args, ((_grid(n, FIND_BLOCK), find),))
     return slots
