@@ -6,22 +6,9 @@
     tables.apply_gradients({"user": user_ids, ...}, {"user": embs["user"].grad, ...})
 
 Each feature keeps its own DynamicEmbedding: its own capacity, eviction, statistics and
-dumps (`tables["user"]`). Features whose tables are Triton tables in fast mode, with
-float32 rows and no host tier, and that share dim, optimizer and bucket size, form a
-group, whatever their eviction policies and admission thresholds: a group of step-scored
-tables (lru, epoch_lru, none) passes one score per table to the claim; where a member
-counts uses (lfu, epoch_lfu) or is scored by the caller (custom, `lookup(..., scores=)`),
-the claim gets a score per id, computed on the device from the ids' stored scores. A
-member with an admission threshold counts its new ids in its counter table first; those
-below the threshold go to the claim as the reserved key, which it never stores. A group's lookup numbers
-its lanes (one id of one table each) by distinct id, then launches each kernel once for
-all its tables over the distinct ids (lookup and claim of empty slots, evictions, row
-initialisation, counting) and once over the lanes (gather, and initial embeddings of
-ids without a row). Its update sorts the lanes by distinct id, so that the copies of an
-id sit together, then sums each distinct id's gradients and runs the optimizer in one
-kernel. At max capacity none of this waits for the GPU; below it, one check per lookup
-decides whether a table must grow. Other features are served one by one by their
-DynamicEmbedding, with the same results.
+dumps (`tables["user"]`). Tables that can share launches form groups (table_group.py):
+one launch per kernel for all of a group's tables. Other tables are served one by one by
+their DynamicEmbedding, with the same results.
 
 Features and tables: by default each table is one feature of its name. `features` maps
 feature names to tables instead, several features sharing one table (as one id space read
@@ -34,55 +21,13 @@ by several inputs), each in a mode:
 
 A call joins each table's features' ids into one lookup (read-only features' ids into a
 second one, without train), so shared tables are grouped as any other.
-
-A group differs from its tables' own lookups in two ways: the reserved key (int64 min)
-is served its initial embedding and never stored instead of raising, and the gradients
-of an id's copies are summed in another order (the same sum to rounding).
 """
 from dataclasses import dataclass
 
 import torch
 
-from ..launch import cdiv, launch, next_power_of_2
-from .embedding import STEP_POLICIES, DynamicEmbedding, EmbeddingConfig, TableStats, epoch_use_score
-from .hashing import EMPTY_KEY
-from .multi_table_kernels import (
-    _admit_kernel, _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
-    _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
-)
-from .triton_optimizers import optimizer_args
-from .claim_kernels import claim, resident_grid
-from .probe_kernels import GROW, READ_ONLY, probe
-from .triton_table import TritonHashTable
-
-# members whose scores are a function of the table alone (one score per table and call);
-# the others (lfu, epoch_lfu, custom) score each id: see _Group._key_scores
-TABLE_SCORED = STEP_POLICIES
-MAX_GROUP = 127  # tables per group (the statistics kernel loops over a group's tables)
-LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most skip), ids per embedding tile
-GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
-FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
-SCAN_BLOCK = 1024  # lanes or segments per program of the elementwise kernels (numbering, rows, counting)
-# lanes per program of the numbering by distinct id, and its warps
-DISTINCT_BLOCK, DISTINCT_WARPS = 32, 1
-# lanes of one row beyond which the update sums them across programs first (fewer doubles
-# the partial sums' memory for no gain)
-LONG_SEGMENT = 8
-# sorted lanes per program of the sum of long segments, and its warps: one warp sums a
-# tile's lanes in registers
-SUM_TILE, SUM_WARPS = 32, 1
-# programs of the sum of long segments per multiprocessor, stepping through the tiles
-SUM_PROGRAMS = 64
-# embedding values per program of the update (rows: this / dim), and its warps
-UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4
-# programs of the update per multiprocessor, stepping through the segments' blocks (a grid
-# sized for the lanes leaves most programs without segments)
-UPDATE_PROGRAMS = 64
-# (the measurements behind these: benchmarks/embedding_tuning.md)
-
-
-STEP_SCORED, LFU, EPOCH_LFU, CUSTOM = 0, 1, 2, 3  # how a member scores ids (device codes)
-POLICY_CODES = {"lfu": LFU, "epoch_lfu": EPOCH_LFU, "custom": CUSTOM}
+from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
+from .table_group import MAX_GROUP, TableGroup, fusable
 
 MODE_READ_WRITE, MODE_READ_ONLY, MODE_WRITE_FIRST = "read_write", "read_only", "write_first"
 FEATURE_MODES = (MODE_READ_WRITE, MODE_READ_ONLY, MODE_WRITE_FIRST)
@@ -100,356 +45,6 @@ class FeatureConfig:
             raise ValueError(f"unknown feature mode {self.mode!r}; choose from {FEATURE_MODES}")
 
 
-def _fusable(emb: DynamicEmbedding) -> bool:
-    t = emb.table
-    return (
-        isinstance(t, TritonHashTable) and not t.deterministic and t.dtype == torch.float32
-        and emb.host is None
-    )
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for the GPU (pinned, async copy)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
-
-
-@dataclass
-class _Routing:
-    """A call's lanes numbered by segment (copies of one id of one table share one); a
-    lookup's is kept for the update of the same ids. Per-segment tensors have N entries,
-    the first `count` used."""
-
-    ids: tuple  # the id tensors looked up (the update checks it gets the same ones)
-    number: torch.Tensor  # (N,) int32: each lane's segment
-    count: torch.Tensor  # (1,) int32: number of segments
-    keys: torch.Tensor  # each segment's id
-    tids: torch.Tensor  # each segment's table
-    rows: torch.Tensor  # each segment's packed row (table << SLOT_BITS | slot); < 0: no row
-    rowless: torch.Tensor  # (1,) set if some segment has no row
-    # set by a lookup after its claim: the tables' placement counts (the update checks that
-    # nothing moved since)
-    placements: tuple = ()
-
-
-@dataclass
-class _Stored:
-    """Per segment of a call, before its claim (N entries, the first `count` used)."""
-
-    valid: torch.Tensor  # whether the entry is a segment (below the count)
-    tids: torch.Tensor  # its table (0 past the count)
-    slots: torch.Tensor  # its slot in its table; < 0: not stored
-    old: torch.Tensor  # its stored score (0 if not stored)
-    uses: torch.Tensor  # the call's copies of its id
-
-
-class _Group:
-    """Tables of one row layout, addressed by one stack of descriptors."""
-
-    def __init__(self, names: list[str], members: list[DynamicEmbedding]):
-        self.names, self.members = names, members
-        first = members[0]
-        # the storage's device, with its index ("cuda" alone compares unequal to a tensor's
-        # "cuda:0": every id tensor would take the converting path)
-        self.device = first.table.keys.device
-        self.dim, self.row_dim = first.dim, first.config.row_dim
-        self.row_stride = first.table.row_stride
-        self.bucket_size, self.optimizer = first.config.bucket_size, first.config.optimizer
-        self._seeds = _to_device([m._init[0] for m in members], torch.int64, self.device)
-        self._scales = _to_device([m._init[1] for m in members], torch.float64, self.device)
-        self._inserting = _to_device([not m.config.read_only for m in members], torch.int64, self.device)
-        self._policies = [m.config.eviction for m in members]
-        self.per_key_scores = any(p not in TABLE_SCORED for p in self._policies)
-        self.counting = any(p in ("lfu", "epoch_lfu") for p in self._policies)  # scores from stored uses
-        self.admitting = any(m.counters is not None for m in members)
-        self._admits = _to_device([m.counters is not None for m in members], torch.int8, self.device)
-        self._thresholds = _to_device([m.config.admission_threshold for m in members], torch.int64, self.device)
-        # how each member scores ids in the claim (a read-only member: its step score, never)
-        self._score_codes = _to_device([STEP_SCORED if m.config.read_only else POLICY_CODES.get(p, STEP_SCORED)
-                                        for m, p in zip(members, self._policies)], torch.int64, self.device)
-        # members count into rows of one tensor, so one add serves them all
-        self._counts = torch.stack([m._counts for m in members])
-        for i, m in enumerate(members):
-            m._counts = self._counts[i]
-        self._cache: dict = {}
-        self.empty = torch.empty(0, dtype=torch.int64, device=self.device)  # ids of a feature not in a call
-        self.routing: _Routing | None = None
-
-    def _cached(self, name: str, key, make):
-        hit = self._cache.get(name)
-        if hit is None or hit[0] != key:
-            hit = (key, make())
-            self._cache[name] = hit
-        return hit[1]
-
-    def _storage(self) -> tuple:
-        return tuple((m.table.keys.data_ptr(), m.table.num_buckets, m.table.insert_mode) for m in self.members)
-
-    def _placements(self) -> tuple:
-        return tuple(m.table.placements for m in self.members)
-
-    def _descriptors(self) -> torch.Tensor:
-        return self._cached("desc", self._storage(), lambda: torch.stack([
-            m.table.descriptor(READ_ONLY if m.config.read_only else None) for m in self.members
-        ]))
-
-    def _lanes(self, sizes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """For these per-table counts: the table of each lane, and where each table's lanes
-        begin (T + 1 values, the last one past the end)."""
-        def make():
-            bounds = [0]
-            for n in sizes:
-                bounds.append(bounds[-1] + n)
-            tids = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes))
-            return tids.to(self.device), _to_device(bounds, torch.int64, self.device)
-        return self._cached("lanes", sizes, make)
-
-    def _table_scores(self) -> tuple[torch.Tensor, int]:
-        def score(m: DynamicEmbedding) -> int:
-            if m.config.read_only:
-                return torch.iinfo(torch.int64).min  # never raises a score
-            if m.config.eviction == "epoch_lru":
-                return (m.epoch << 32) | (m.step & 0xFFFFFFFF)
-            return m.step
-        scores = [score(m) for m in self.members]
-        # scores move together from call to call: the device keeps them less the lowest
-        # one, the offset the claim adds (a launch argument costs the host less than a copy)
-        never = torch.iinfo(torch.int64).min
-        offset = min((s for s in scores if s != never), default=0)
-        base = [s if s == never else s - offset for s in scores]
-        return self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device)), offset
-
-    def _stored(self, r: _Routing) -> "_Stored":
-        """Before the claim: where each segment's id is stored in its table, and its copies."""
-        n = r.keys.numel()
-        valid = torch.arange(n, device=self.device) < r.count
-        tids = torch.where(valid, r.tids, 0)  # segments past the count: table 0's (never written)
-        old = torch.zeros(n, dtype=torch.int64, device=self.device)
-        slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
-        uses = torch.zeros(n, dtype=torch.int64, device=self.device)
-        uses.index_add_(0, r.number.long(), torch.ones_like(r.number, dtype=torch.int64))  # bincount waits for the GPU
-        return _Stored(valid, tids, slots, old, uses)
-
-    def _key_scores(self, r: _Routing, stored: "_Stored", lane_scores: torch.Tensor | None) -> torch.Tensor:
-        """Each segment's score for the claim, as its table's DynamicEmbedding scores an id:
-        the table's step score; lfu: the uses stored plus this call's copies; epoch_lfu: the
-        same within the epoch (the epoch in the high 32 bits); custom: the highest of its
-        copies' given scores; read-only tables: int64 min (the claim never lowers a score)."""
-        never = torch.iinfo(torch.int64).min
-        # per member, as of this call: its step score (never: read-only) and its epoch
-        per_table = _to_device([
-            [never if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0) for m, p in zip(self.members, self._policies)],
-            [m.epoch for m in self.members],
-        ], torch.int64, self.device)
-        tids, old, uses = stored.tids, stored.old, stored.uses
-        code = self._score_codes[tids]
-        scores = per_table[0][tids]
-        if self.counting:
-            scores = torch.where(code == LFU, old + uses, scores)
-            scores = torch.where(code == EPOCH_LFU, epoch_use_score(old, uses, per_table[1][tids]), scores)
-        if lane_scores is not None:
-            given = torch.full_like(scores, never)
-            given.scatter_reduce_(0, r.number.long(), lane_scores, "amax")
-            scores = torch.where(code == CUSTOM, given, scores)
-        return scores
-
-    def _flat_ids(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device == self.device and x.dtype == torch.int64 and x.dim() == 1:
-            return x
-        return x.to(self.device, torch.int64).reshape(-1)
-
-    # ---- lookup ---------------------------------------------------------------------------
-    def lookup(self, given: list[torch.Tensor], train: bool, scores: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
-        """scores: each member's given scores (custom policy members), else None."""
-        ids = [self._flat_ids(x) for x in given]
-        sizes = tuple(x.numel() for x in ids)
-        n = sum(sizes)
-        out = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
-        if n == 0:
-            return list(out.split(sizes))
-        keys = torch.cat(ids)
-        tids, _ = self._lanes(sizes)
-        r = self._route(tuple(given), keys, tids)
-        if train:
-            for m in self.members:
-                m.table.placements += 1  # the claim below inserts and evicts
-            stored = self._stored(r) if self.admitting or self.per_key_scores else None
-            refused = self._admission(r, stored) if self.admitting else None
-            slots, inserted = self._claim(r, self._claim_scores(r, stored, ids, scores), refused)
-            launch(
-                _init_rows_kernel, (cdiv(n, LANE_BLOCK),),
-                r.keys, r.tids, slots, inserted.view(torch.int8), r.count, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
-                self.row_stride, BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, next_power_of_2(self.dim)),
-            )
-        else:
-            slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
-        self._rows(r, slots, counted=train)
-        dim_block = min(128, next_power_of_2(self.dim))
-        launch(
-            _gather_kernel, (cdiv(n, GATHER_BLOCK),),
-            r.number, r.rows, n, self._descriptors(), out, self.dim, self.row_stride, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
-            num_warps=GATHER_WARPS,
-        )
-        launch(
-            _fresh_rows_kernel, resident_grid(cdiv(n, GATHER_BLOCK), self.device, FRESH_PROGRAMS),
-            r.number, r.rows, r.keys, r.tids, n, r.rowless, self._seeds, self._scales, out, self.dim, BLOCK=GATHER_BLOCK,
-            DIM_BLOCK=dim_block, num_warps=GATHER_WARPS,
-        )
-        r.placements = self._placements()
-        self.routing = r
-        return list(out.split(sizes))
-
-    def _claim_scores(self, r: _Routing, stored, ids: list[torch.Tensor], scores: list | None) -> tuple[torch.Tensor, int, bool]:
-        """The claim's scores: (per table, their offset, True), or (per segment, 0, False)."""
-        if not self.per_key_scores:
-            return (*self._table_scores(), True)
-        scores = scores or [None] * len(ids)
-        for x, given, p, name in zip(ids, scores, self._policies, self.names):
-            if p == "custom" and given is None and x.numel():
-                raise ValueError(f"{name}: the custom eviction policy needs scores in lookup()")
-        lane_scores = None
-        if any(s is not None for s in scores):
-            lane_scores = torch.cat([s.reshape(-1).to(self.device, torch.int64) if s is not None
-                                     else torch.zeros(x.numel(), dtype=torch.int64, device=self.device)
-                                     for s, x in zip(scores, ids)])
-        return self._key_scores(r, stored, lane_scores), 0, False
-
-    def _admission(self, r: _Routing, stored: _Stored) -> torch.Tensor:
-        """(N,) bool: the segments that may not have a row: new ids of members with an
-        admission threshold, counted as DynamicEmbedding._count_new counts them: their
-        stored count plus this call's copies; those below the threshold keep the count in
-        their member's counter table, the others are admitted and their count dropped
-        (_admit_kernel). Refused ids count as lookups, not as rejections. No host wait."""
-        n = r.keys.numel()
-        desc = self._counter_descriptors()
-        counted = torch.zeros_like(r.keys)
-        found = probe(desc, r.keys, self.bucket_size, 0, stored.tids, count=r.count, scores=counted)
-        claim_keys, seen = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind()
-        refused = torch.empty(n, dtype=torch.bool, device=self.device)
-        launch(
-            _admit_kernel, (cdiv(n, SCAN_BLOCK),),
-            r.keys, stored.tids, stored.slots, found, counted, stored.uses, r.count, n, self._admits, self._thresholds, desc,
-            self._counts, claim_keys, seen, refused.view(torch.int8), len(self.members), BLOCK=SCAN_BLOCK,
-        )
-        # the refused ids' counts stored (the claim skips the reserved key: the others)
-        claim(desc, claim_keys, seen, self.bucket_size, stored.tids, count=r.count, victims=False)
-        return refused
-
-    def _counter_descriptors(self) -> torch.Tensor:
-        """The members' counter tables, in a stack of descriptors (a member without one:
-        another's; no key of that member is ever looked up in it)."""
-        tables = [m.counters for m in self.members if m.counters is not None]
-        mine = [m.counters if m.counters is not None else tables[0] for m in self.members]
-        return self._cached("counter_desc", tuple(t.keys.data_ptr() for t in mine),
-                            lambda: torch.stack([t.descriptor() for t in mine]))
-
-    def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], refused: torch.Tensor | None = None):
-        """find_or_insert of the segments' ids in their tables with `scored` (_claim_scores),
-        growing the tables that need it (then again): their slots and whether each was
-        inserted. refused: segments not to store (passed to the claim as the reserved key,
-        which it never stores)."""
-        scores, offset, per_table = scored
-        keys = r.keys if refused is None else torch.where(refused, EMPTY_KEY, r.keys)
-        slots, inserted, _, _, _ = claim(
-            self._descriptors(), keys, scores, self.bucket_size, r.tids, table_scores=per_table,
-            counts=self._counts, count=r.count, victims=False, score_offset=offset,
-        )
-        growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
-        if not growing:
-            return slots, inserted
-        used = torch.arange(slots.numel(), device=self.device) < r.count
-        full = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
-        full.index_add_(0, torch.where(used, r.tids, 0).long(), (used & (slots == -2)).long())
-        full = full.tolist()  # the one wait for the GPU, while some table can still grow
-        grow = [
-            self.members[i].table for i in growing
-            if full[i] or self.members[i].table.size() > self.members[i].table.max_load_factor * self.members[i].table.capacity
-        ]
-        if not grow:
-            return slots, inserted
-        for t in grow:
-            t._grow()
-        again, inserted_again = self._claim(r, scored, refused)
-        return again, inserted | inserted_again
-
-    def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None) -> None:
-        """Sets r.rows from the segments' slots; counted (train or not): also counts the
-        lookup in the members' statistics."""
-        launch(
-            _segment_rows_kernel, (cdiv(slots.numel(), SCAN_BLOCK),),
-            r.tids, slots, r.count, r.rows, r.rowless, self._counts, self._inserting, len(self.members),
-            BLOCK=SCAN_BLOCK, COUNT=counted is not None, TRAIN=bool(counted),
-        )
-
-    def _route(self, ids: tuple, keys, tids) -> _Routing:
-        """Numbers the lanes by segment, one per distinct (table, id): each lane's taker,
-        the first lane with its id (_distinct_kernel), then the takers in lane order."""
-        n = keys.numel()
-        size = next_power_of_2(2 * n)  # the map at most half full
-        # one zeroed buffer for the map, the count of segments and the rowless flag; one
-        # allocation for the per-lane and one for the per-segment arrays (each allocation
-        # costs host time the device waits for)
-        scratch = torch.zeros(size + 2, dtype=torch.int32, device=self.device)
-        count, rowless = scratch[size : size + 1], scratch[size + 1 : size + 2]
-        number, first = torch.empty(2, n, dtype=torch.int32, device=self.device).unbind()
-        launch(
-            _distinct_kernel, (cdiv(n, DISTINCT_BLOCK),),
-            keys, tids, n, scratch, size - 1, number, first, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
-        )
-        ranks = torch.cumsum(first, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
-        seg_keys, seg_tids, rows = torch.empty(3, n, dtype=torch.int64, device=self.device).unbind()
-        launch(
-            _number_kernel, (cdiv(n, SCAN_BLOCK),),
-            number, ranks, keys, tids, n, seg_keys, seg_tids, count, BLOCK=SCAN_BLOCK,
-        )
-        return _Routing(ids, number, count, seg_keys, seg_tids, rows, rowless)
-
-    # ---- update ---------------------------------------------------------------------------
-    def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
-        """present[i]: member i takes part (its step advances)."""
-        for m, p in zip(self.members, present):
-            m.step += p
-        r, self.routing = self.routing, None
-        if r is None or len(r.ids) != len(given) or any(a is not b for a, b in zip(r.ids, given)) or r.placements != self._placements():
-            ids = [self._flat_ids(x) for x in given]
-            sizes = tuple(x.numel() for x in ids)
-            if sum(sizes) == 0:
-                return
-            keys = torch.cat(ids)
-            tids, _ = self._lanes(sizes)
-            r = self._route(tuple(given), keys, tids)
-            self._rows(r, probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count), counted=None)
-        n = r.number.numel()
-        grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
-                 else g.to(self.device, torch.float32).contiguous() for g in grads]
-        _, lane_bounds = self._lanes(tuple(x.numel() for x in r.ids))
-        ptrs = [g.data_ptr() for g in grads]
-        grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
-        # the lanes sorted by segment (stable: a segment's gradients are summed in lane order)
-        seg, order = torch.sort(r.number, stable=True)
-        starts = torch.empty(n, dtype=torch.int64, device=self.device)
-        partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
-        dim_block = next_power_of_2(self.dim)
-        launch(
-            _segments_kernel, (cdiv(n, 256),),
-            seg, n, starts, partial, self.dim, LONG=LONG_SEGMENT, BLOCK=256, DIM=dim_block,
-        )
-        block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
-        launch(
-            _long_segment_sum_kernel, resident_grid(cdiv(n, SUM_TILE), self.device, SUM_PROGRAMS),
-            order, seg, starts, r.rows, n, grad_ptrs, lane_bounds, partial, self.dim,
-            LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
-        )
-        launch(
-            _segment_update_kernel, resident_grid(cdiv(n, block), self.device, UPDATE_PROGRAMS),
-            order, starts, r.rows, r.count, n, grad_ptrs, lane_bounds, partial, self._descriptors(), self.dim,
-            self.row_stride, **optimizer_args(self.optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
-            num_warps=UPDATE_WARPS,
-        )
-
-
 class DynamicEmbeddingCollection:
     """One DynamicEmbedding per table; tables that can share launches do (see above)."""
 
@@ -464,11 +59,11 @@ class DynamicEmbeddingCollection:
             raise KeyError(f"features read tables {sorted(unknown)} that are not in the collection: {sorted(self.tables)}")
         by_layout: dict = {}
         for name, emb in self.tables.items():
-            if _fusable(emb):
+            if fusable(emb):
                 c = emb.config
                 by_layout.setdefault((c.dim, c.optimizer, c.bucket_size), []).append(name)
         self.groups = [
-            _Group(names[i : i + MAX_GROUP], [self.tables[n] for n in names[i : i + MAX_GROUP]])
+            TableGroup(names[i : i + MAX_GROUP], [self.tables[n] for n in names[i : i + MAX_GROUP]])
             for names in by_layout.values() for i in range(0, len(names), MAX_GROUP)
         ]
         grouped = {n for g in self.groups for n in g.names}
@@ -574,7 +169,7 @@ class DynamicEmbeddingCollection:
         return joined.masked_fill(drop[:, None], 0.0)
 
     # ---- tables ---------------------------------------------------------------------------
-    def _ids_of(self, group: _Group, ids: dict) -> list[torch.Tensor]:
+    def _ids_of(self, group: TableGroup, ids: dict) -> list[torch.Tensor]:
         return [ids.get(n, group.empty) for n in group.names]
 
     def _lookup_tables(self, ids: dict[str, torch.Tensor], train: bool, scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

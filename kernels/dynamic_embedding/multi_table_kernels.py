@@ -1,4 +1,4 @@
-"""Kernels of a group of tables trained together (see collection.py).
+"""Kernels of a group of tables trained together (see table_group.py).
 
 A call's lanes (one id of one table each) are numbered by segment, one per distinct
 (table, id), through a scratch hash map: the tables are probed once per distinct id and
