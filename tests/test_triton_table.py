@@ -11,7 +11,7 @@ from kernels.dynamic_embedding.hashing import EMPTY_KEY, bucket_of, hash64
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 64 if DEVICE == "cuda" else 1  # batch sizes on a GPU
-OPS = ["find", "find_or_insert", "find_or_insert_values", "insert_or_assign", "assign", "accumulate", "erase", "export", "find_values"]
+OPS = ["find", "find_scores", "find_or_insert", "find_or_insert_values", "insert_or_assign", "assign", "accumulate", "erase", "export", "find_values"]
 
 op_lists = st.lists(
     st.tuples(
@@ -57,6 +57,8 @@ def assert_same(a, b):
 def apply(table, op, keys, rows, scores):
     if op == "find":
         return table.find(keys)
+    if op == "find_scores":
+        return table.find_scores(keys)
     if op == "find_or_insert":
         out = table.find_or_insert(keys, scores)
         slots, inserted, _ = out

@@ -56,10 +56,11 @@ class DiskStore:
         was at `path`."""
         shutil.rmtree(path, ignore_errors=True)
         store = DiskStore(path, rows.shape[1], create=True)
-        order = torch.argsort(keys.detach().cpu(), stable=True)
+        keys, rows = keys.detach().cpu(), rows.detach().cpu()
+        order = torch.argsort(keys, stable=True)
         for start in range(0, order.numel(), WRITE_CHUNK):
             part = order[start : start + WRITE_CHUNK]
-            store.append(keys.detach().cpu()[part], rows.detach().cpu()[part])
+            store.append(keys[part], rows[part])
         return store
 
     def append(self, keys: torch.Tensor, rows: torch.Tensor) -> None:

@@ -287,14 +287,12 @@ class DynamicEmbedding:
         emb = rows[:, : self.dim].contiguous()  # ids without a device row: their host row
         copy_rows(self.table.values, s.slots, emb, None, self.dim)
         stored, n_promoted = s.slots >= 0, s.promoted.sum()
-        self._counts += torch.stack([  # in COUNTED's order
+        self._counts[: EVICTIONS + 1] += torch.stack([  # in COUNTED's order (a tiered table admits no ids)
             torch.tensor(uniq.numel(), device=self.device),
             (stored & ~s.inserted).sum() + n_promoted + (s.held & ~s.made).sum(),  # hits, in either tier
             (s.inserted & ~s.promoted).sum() + s.made.sum(),  # inserts, in either tier
             (~stored & ~s.held).sum(),  # rejections: ids with no row in any tier
             s.lost,
-            torch.zeros((), dtype=torch.int64, device=self.device),  # admissions (not in a tiered lookup)
-            torch.zeros((), dtype=torch.int64, device=self.device),
         ])
         self._moves += torch.stack([n_promoted, s.demoted])
         return emb
@@ -389,8 +387,8 @@ class DynamicEmbedding:
             return torch.full_like(uniq, self._step_score(self.step))
         old = torch.zeros_like(uniq)  # lfu: uses so far (in either tier) + uses in this batch
         for table in self._tiers:
-            slots = table.find(uniq)
-            old = torch.where(slots != MISSING, table.scores[slots.clamp(min=0)], old)
+            slots, stored = table.find_scores(uniq)
+            old = torch.where(slots != MISSING, stored, old)
         return old + counts if policy == "lfu" else epoch_use_score(old, counts, self.epoch)
 
     def _step_score(self, step: int) -> int:
@@ -412,8 +410,7 @@ class DynamicEmbedding:
         the uses to their counts in the counter table; those whose count reaches the
         threshold are admitted (their counts dropped), counted in the statistics either
         way. Returns the admitted mask. (A collection's group counts the same way.)"""
-        before = self.counters.find(keys)
-        seen = torch.where(before != MISSING, self.counters.scores[before.clamp(min=0)], 0) + uses
+        seen = self.counters.find_scores(keys)[1] + uses
         admitted = seen >= self.config.admission_threshold
         # a full counter table forgets its lowest counts
         self.counters.find_or_insert(keys[~admitted], seen[~admitted], return_evicted=False)

@@ -176,6 +176,11 @@ class ReferenceHashTable:
         slot = buckets * self.bucket_size + match.to(torch.int8).argmax(1)
         return torch.where(match.any(1), slot, torch.full_like(slot, MISSING))
 
+    def find_scores(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot of each key or MISSING, its stored score or 0). Changes nothing."""
+        slots = self.find(keys)
+        return slots, torch.where(slots != MISSING, self.scores[slots.clamp(min=0)], 0)
+
     def find_or_insert(
         self, keys: torch.Tensor, scores: torch.Tensor, return_evicted: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, Evicted]:

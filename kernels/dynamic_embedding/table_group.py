@@ -106,10 +106,9 @@ class _Routing:
 class _Stored:
     """Per segment of a call, before its claim (N entries, the first `count` used)."""
 
-    valid: torch.Tensor  # whether the entry is a segment (below the count)
     tids: torch.Tensor  # its table (0 past the count)
     slots: torch.Tensor  # its slot in its table; < 0: not stored
-    old: torch.Tensor  # its stored score (0 if not stored)
+    old: torch.Tensor | None  # its stored score (0 if not stored); None where no member counts uses
     uses: torch.Tensor  # the call's copies of its id
 
 
@@ -194,11 +193,11 @@ class TableGroup:
         n = r.keys.numel()
         valid = torch.arange(n, device=self.device) < r.count
         tids = torch.where(valid, r.tids, 0)  # segments past the count: table 0's (never written)
-        old = torch.zeros(n, dtype=torch.int64, device=self.device)
+        old = torch.zeros(n, dtype=torch.int64, device=self.device) if self.counting else None  # lfu scores read them
         slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
         uses = torch.zeros(n, dtype=torch.int64, device=self.device)
         uses.index_add_(0, r.number.long(), torch.ones_like(r.number, dtype=torch.int64))  # bincount waits for the GPU
-        return _Stored(valid, tids, slots, old, uses)
+        return _Stored(tids, slots, old, uses)
 
     def _key_scores(self, r: _Routing, stored: "_Stored", lane_scores: torch.Tensor | None) -> torch.Tensor:
         """Each segment's score for the claim, as its table's DynamicEmbedding scores an id:

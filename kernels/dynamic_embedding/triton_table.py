@@ -210,6 +210,13 @@ class TritonHashTable(ReferenceHashTable):
         digest never matches an empty slot's)."""
         return self._probe(self._check_keys(keys, reserved_ok=True).contiguous())
 
+    def find_scores(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the reference's, in the probe's one launch (the reserved key: never found, as
+        in find)."""
+        keys = self._check_keys(keys, reserved_ok=True).contiguous()
+        scores = torch.empty_like(keys)  # the probe writes every lane
+        return probe(self._descriptor, keys, self.bucket_size, self.row_stride, scores=scores), scores
+
     def find_values(self, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Fused probe and copy: out[i] = first out.shape[1] values of key i's row where
         found (other rows untouched); returns the found mask."""
