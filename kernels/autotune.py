@@ -50,8 +50,8 @@ class TunedLaunches:
 
     def _key(self, args: tuple, constants: dict) -> tuple:
         """What the choice depends on: as the autotuner's key (the values of its key
-        arguments, every tensor's dtype), and the constants."""
-        named = dict(zip(self.tuner.arg_names, args))
+        arguments, runtime or constant, every tensor's dtype), and the constants."""
+        named = {**dict(zip(self.tuner.arg_names, args)), **constants}
         return (
             tuple(named[name] for name in self.tuner.keys),
             tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),

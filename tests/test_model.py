@@ -73,7 +73,7 @@ def padded_hstu(model: HSTU, emb, ts, lengths):
     x = emb * D**0.5 + model.positions.weight[:L][None]
     pos = torch.arange(L)
     rel = (pos[None, :] - pos[:, None]).clamp(-(c.max_seq_len - 1), c.max_seq_len - 1) + c.max_seq_len - 1
-    gap = (ts[:, :, None] - ts[:, None, :]).abs().clamp(min=1).float()
+    gap = (ts[:, :, None] - ts[:, None, :]).abs().clamp(min=1).double()
     bucket = torch.floor(torch.log(gap) / 0.301).long().clamp(0, c.num_time_buckets)
     allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & mask[:, None, :]
     H, dqk, dv = c.num_heads, c.attention_dim, c.linear_dim

@@ -8,7 +8,8 @@ For each sequence (rows offsets[b] to offsets[b + 1] of q, k, v) and head:
 
 position_bias has 2 · max_seq_len - 1 entries (j - i clamped to ±(max_seq_len - 1));
 time_bias has num_buckets + 1, and bucket(gap) = floor(log(max(gap, 1)) / TIME_BUCKET_LOG)
-clamped to [0, num_buckets]. A sequence of n rows whose last T = num_targets[b] are targets
+clamped to [0, num_buckets], made exact: the bucket is the number of edges ceil(exp(b ·
+TIME_BUCKET_LOG)), b = 1 .. num_buckets, at or below the gap, both rounded to float32. A sequence of n rows whose last T = num_targets[b] are targets
 (candidates) and whose first C = context_len are a context prefix allows:
 
     context row i < C:        every history row j < n - T (both ways)
@@ -19,6 +20,8 @@ Scores are computed in float32 (float64 for float64 inputs); the output has v's 
 Sequences are sorted by length and run as LENGTH_GROUPS padded batches, each padded only
 to its own longest sequence: a loop per sequence is slower on a CPU than the padding.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -42,10 +45,17 @@ def allowed_pairs(n: int, num_targets: int, context_len: int, device) -> torch.T
     return _allowed(torch.tensor([n], device=device), torch.tensor([num_targets], device=device), context_len, n)[0]
 
 
+def time_bucket_edges(num_buckets: int) -> list[int]:
+    """The least gap of each bucket b = 0 .. num_buckets + 1: the least whole number whose
+    log is at least b · TIME_BUCKET_LOG."""
+    return [math.ceil(math.exp(b * TIME_BUCKET_LOG)) for b in range(num_buckets + 2)]
+
+
 def time_buckets(timestamps: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """(..., n, n) int64 bucket of |t_i - t_j| for timestamps (..., n) of one sequence each."""
-    gap = (timestamps[..., :, None] - timestamps[..., None, :]).abs_().clamp_(min=1).to(torch.float32)
-    return gap.log_().div_(TIME_BUCKET_LOG).floor_().clamp_(0, num_buckets).to(torch.int64)  # in place: (n, n) is large
+    gap = (timestamps[..., :, None] - timestamps[..., None, :]).abs_().to(torch.float32)
+    edges = torch.tensor(time_bucket_edges(num_buckets)[1:num_buckets + 1], dtype=torch.float32, device=gap.device)
+    return torch.bucketize(gap, edges, right=True)  # the edges at or below each gap
 
 
 def gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -8,201 +8,320 @@ accumulates SiLU(scores) / max_seq_len · V. The grid is sized by max_seq_len, s
 is read on the host; programs past their sequence's end return at once.
 Backward, two kernels that recompute the scores: one per key block (dK, dV), one per query
 block (dQ and the biases' gradients, added to float32 tables by atomic adds).
+
+Each kernel walks its tiles in two loops: the tiles whose every pair is allowed (wholly
+below the diagonal and inside the history) skip the mask; the rest (the diagonal, the
+targets, the context prefix, a sequence's last partial block) compute it. Timestamps enter
+as float64 offsets from the sequence's first one, exact below 2^53 time units, so each
+pair's gap is one float64 subtraction that rounds to float32 as the twin's int64 gap does.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from ..autotune import TunedLaunches, autotuned
+from ..autotune import TunedLaunches, autotuned, interpreting
 from ..launch import cdiv, next_power_of_2
-from .reference import TIME_BUCKET_LOG
+from .reference import TIME_BUCKET_LOG, time_bucket_edges
 
 # blocks of query and key rows, warps and pipeline stages, tuned per head dims and length
 CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-    for m, n, w, st in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2))
+    for m, n, w, st in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3))
 ]
 INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
-TUNING_KEY = ["dqk", "dv", "length_class"]  # length_class: max_seq_len's power of two
+TUNING_KEY = ["DQK", "DV", "length_class"]  # length_class: max_seq_len's power of two
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
-_TIME_BUCKET_LOG = tl.constexpr(TIME_BUCKET_LOG)  # (kernels read only constexpr globals)
+# On a GPU, the hardware's approximations: log2 for the time buckets (tl.log2 is a
+# polynomial of a dozen multiplies per pair; the bucket is then made exact) and, for 16-bit
+# inputs, tanh (relative error about 2^-11, below those inputs' rounding) for the sigmoid
+# in one instruction instead of an exp and a division. The interpreter has neither.
+_FAST_MATH = tl.constexpr(not interpreting())
+_LOG2_TO_BUCKET = tl.constexpr(math.log(2) / TIME_BUCKET_LOG)  # log(gap) / TIME_BUCKET_LOG = log2(gap) · this
+# log2(gap) · _LOG2_TO_BUCKET is within 1e-5 of the exact value (the approximate log2 and
+# float32 rounding): a pair this close to a whole number is placed by its bucket's edge
+_NEAR_EDGE = tl.constexpr(1e-3)
 
 
 @triton.jit
-def _key_range(m0, n, history_end, context_len, BLOCK_M: tl.constexpr):
-    """The end of the keys a block of query rows m0 .. m0 + BLOCK_M - 1 may attend to."""
-    causal_end = tl.minimum(m0 + BLOCK_M, n)
-    return tl.where(m0 < context_len, tl.maximum(history_end, causal_end), tl.maximum(causal_end, 0))
+def _time_bucket(gap, edges_ptr, num_buckets):
+    """The twin's bucket of float32 gaps >= 1: from an approximate log2, and where that is
+    near a whole number r, by comparing the gap with bucket r's least gap (edges_ptr:
+    reference.time_bucket_edges in float32)."""
+    if _FAST_MATH:
+        x = libdevice.fast_log2f(gap) * _LOG2_TO_BUCKET
+    else:
+        x = tl.log2(gap) * _LOG2_TO_BUCKET
+    nearest = tl.floor(x + 0.5)
+    near = tl.abs(x - nearest) < _NEAR_EDGE
+    r = tl.minimum(nearest, num_buckets + 1).to(tl.int32)
+    edge = tl.load(edges_ptr + r, mask=near, other=0.0)
+    bucket = tl.where(near, r - (gap < edge).to(tl.int32), x.to(tl.int32))  # truncation is floor: x > -1e-5
+    return tl.minimum(bucket, num_buckets)
 
 
 @triton.jit
-def _scores(
-    q, k, rows, cols, t_rows, t_cols, n, history_end, context_len, position_ptr, time_ptr, max_seq_len, num_buckets,
-):
-    """(float32 scores with both biases, whether each pair is allowed, position index, time
-    bucket) of query rows `rows` against key rows `cols` of one sequence."""
+def _sigmoid(x, SIXTEEN_BIT: tl.constexpr):
+    if _FAST_MATH and SIXTEEN_BIT:
+        tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=tl.float32, is_pure=True, pack=1)
+        return 0.5 * tanh + 0.5
+    return tl.sigmoid(x)
+
+
+@triton.jit
+def _biased_scores(q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets):
+    """(float32 scores q · kᵀ plus both biases, each pair's position index, its time
+    bucket) of query rows `rows` against key rows `cols` of one sequence; t_rows, t_cols:
+    their float64 timestamp offsets."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32")
     rel = tl.minimum(tl.maximum(cols[None, :] - rows[:, None], 1 - max_seq_len), max_seq_len - 1) + max_seq_len - 1
-    gap = tl.abs(t_rows[:, None] - t_cols[None, :])
-    gap = tl.maximum(gap, 1).to(tl.float32)
-    bucket = tl.minimum(tl.maximum(tl.floor(tl.log(gap) / _TIME_BUCKET_LOG), 0), num_buckets).to(tl.int32)
+    bucket = _time_bucket(tl.maximum(tl.abs(t_rows[:, None] - t_cols[None, :]).to(tl.float32), 1.0), edges_ptr, num_buckets)
     s += tl.load(position_ptr + rel).to(tl.float32) + tl.load(time_ptr + bucket).to(tl.float32)
+    return s, rel, bucket
+
+
+@triton.jit
+def _allowed(rows, cols, n, history_end, context_len):
+    """Whether each query row attends to each key row (reference.py's masks)."""
     in_history = cols[None, :] < history_end
     allowed = tl.where(
         rows[:, None] < context_len, in_history,
         tl.where(rows[:, None] < history_end, cols[None, :] <= rows[:, None], in_history | (cols[None, :] == rows[:, None])),
     )
-    allowed = allowed & (rows[:, None] < n) & (cols[None, :] < n)
-    return s, allowed, rel, bucket
+    return allowed & (rows[:, None] < n) & (cols[None, :] < n)
 
 
 @triton.jit
-def _sequence(offsets_ptr, targets_ptr, b, HAS_TARGETS: tl.constexpr):
+def _sequence(offsets_ptr, targets_ptr, timestamps_ptr, b, HAS_TARGETS: tl.constexpr):
+    """(start, length, history end, first timestamp) of sequence b."""
     start = tl.load(offsets_ptr + b)
     n = (tl.load(offsets_ptr + b + 1) - start).to(tl.int32)
     history_end = n
     if HAS_TARGETS:
         history_end = n - tl.load(targets_ptr + b).to(tl.int32)
-    return start, n, history_end
+    return start, n, history_end, tl.load(timestamps_ptr + start, mask=n > 0, other=0)
 
 
 @triton.jit
-def _head_rows(ptr, start, idx, live, heads, h, width, BLOCK_D: tl.constexpr):
+def _head_rows(ptr, start, idx, live, heads, h, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
     """(pointers, mask) of rows start + idx (where live) of head h of a (total, heads,
-    width) tensor, BLOCK_D columns (those past width masked)."""
+    WIDTH) tensor, BLOCK_D columns (those past WIDTH masked)."""
     cols = tl.arange(0, BLOCK_D)
-    return ptr + ((start + idx) * heads + h)[:, None] * width + cols[None, :], live[:, None] & (cols[None, :] < width)
+    at = ptr + ((start + idx) * heads + h)[:, None] * WIDTH + cols[None, :]
+    if WIDTH == BLOCK_D:
+        return at, tl.broadcast_to(live[:, None], (idx.shape[0], BLOCK_D))
+    return at, live[:, None] & (cols[None, :] < WIDTH)
 
 
 @triton.jit
 def _row_block(
-    a_ptr, b_ptr, timestamps_ptr, start, first, n, heads, h, a_width, b_width, BLOCK: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    a_ptr, b_ptr, timestamps_ptr, start, t0, first, n, heads, h, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Rows first .. first + BLOCK - 1 of a sequence of n rows at `start`: (their indices,
-    which are live, their head-h rows of a (width a_width) and of b (width b_width), their
-    timestamps, and a's and b's masks). A key block's a and b are K and V; a query
-    block's, Q and dO."""
+    which are live, their head-h rows of a and of b, their timestamps as float64 offsets
+    from t0). A key block's a and b are K and V; a query block's, Q and dO."""
     idx = first + tl.arange(0, BLOCK)
     live = idx < n
-    a_at, a_mask = _head_rows(a_ptr, start, idx, live, heads, h, a_width, BLOCK_A)
-    b_at, b_mask = _head_rows(b_ptr, start, idx, live, heads, h, b_width, BLOCK_B)
+    a_at, a_mask = _head_rows(a_ptr, start, idx, live, heads, h, A_WIDTH, BLOCK_A)
+    b_at, b_mask = _head_rows(b_ptr, start, idx, live, heads, h, B_WIDTH, BLOCK_B)
     a = tl.load(a_at, mask=a_mask, other=0)
     b = tl.load(b_at, mask=b_mask, other=0)
-    return idx, live, a, b, tl.load(timestamps_ptr + start + idx, mask=live, other=0), a_mask, b_mask
+    t = (tl.load(timestamps_ptr + start + idx, mask=live, other=t0) - t0).to(tl.float64)
+    return idx, live, a, b, t
 
 
 @triton.jit
-def _program_block(offsets_ptr, targets_ptr, heads, BLOCK: tl.constexpr, HAS_TARGETS: tl.constexpr):
-    """(this program's first row, head, its sequence's start, length and history end)."""
+def _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK: tl.constexpr, HAS_TARGETS: tl.constexpr):
+    """(this program's first row, head, its sequence's start, length, history end and
+    first timestamp)."""
     b = tl.program_id(1) // heads
-    start, n, history_end = _sequence(offsets_ptr, targets_ptr, b, HAS_TARGETS)
-    return tl.program_id(0) * BLOCK, tl.program_id(1) % heads, start, n, history_end
+    start, n, history_end, t0 = _sequence(offsets_ptr, targets_ptr, timestamps_ptr, b, HAS_TARGETS)
+    return tl.program_id(0) * BLOCK, tl.program_id(1) % heads, start, n, history_end, t0
+
+
+@triton.jit
+def _key_ranges(m0, n, history_end, context_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the query rows m0 .. m0 + BLOCK_M - 1: (the end of the key blocks that every one
+    of them attends to in full, the end of the keys any of them attends to)."""
+    causal_end = tl.minimum(m0 + BLOCK_M, n)
+    end = tl.where(m0 < context_len, tl.maximum(history_end, causal_end), tl.maximum(causal_end, 0))
+    full = tl.minimum(m0 + 1, history_end) // BLOCK_N * BLOCK_N
+    return full, end
+
+
+@triton.jit
+def _query_ranges(n0, n, history_end, context_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the key rows n0 .. n0 + BLOCK_N - 1: (the first query block that may attend to
+    them, the first from which every block attends to all of them)."""
+    # query rows before the block attend to it only from the context (rows < context_len)
+    first = tl.where(context_len > 0, 0, (n0 // BLOCK_M) * BLOCK_M)
+    full = tl.where(n0 + BLOCK_N <= history_end, tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n)
+    return first, tl.maximum(full, first)
+
+
+@triton.jit
+def _forward_tile(
+    acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale,
+    MASKED: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    cols, _, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+    s, _, _ = _biased_scores(q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets)
+    a = s * _sigmoid(s, v.dtype != tl.float32) * scale
+    if MASKED:
+        a = tl.where(_allowed(rows, cols, n, history_end, context_len), a, 0.0)
+    return acc + tl.dot(a.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else "tf32")
 
 
 @triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr,
-    heads, dqk, dv, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
+    heads, max_seq_len, num_buckets, context_len, scale, length_class,
+    HAS_TARGETS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    m0, h, start, n, history_end = _program_block(offsets_ptr, targets_ptr, heads, BLOCK_M, HAS_TARGETS)
+    m0, h, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS)
     if m0 >= n:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
     row_live = rows < n
-    q_at, q_mask = _head_rows(q_ptr, start, rows, row_live, heads, h, dqk, BLOCK_DQK)
+    q_at, q_mask = _head_rows(q_ptr, start, rows, row_live, heads, h, DQK, BLOCK_DQK)
     q = tl.load(q_at, mask=q_mask, other=0)
-    t_rows = tl.load(timestamps_ptr + start + rows, mask=row_live, other=0)
+    t_rows = (tl.load(timestamps_ptr + start + rows, mask=row_live, other=t0) - t0).to(tl.float64)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for n0 in range(0, _key_range(m0, n, history_end, context_len, BLOCK_M), BLOCK_N):
-        cols, _, k, v, t_cols, _, _ = _row_block(
-            k_ptr, v_ptr, timestamps_ptr, start, n0, n, heads, h, dqk, dv, BLOCK_N, BLOCK_DQK, BLOCK_DV
+    full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
+    for n0 in range(0, full, BLOCK_N):
+        acc = _forward_tile(
+            acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
+            time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, False, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
-        s, allowed, _, _ = _scores(q, k, rows, cols, t_rows, t_cols, n, history_end, context_len, position_ptr, time_ptr, max_seq_len, num_buckets)
-        a = tl.where(allowed, s * tl.sigmoid(s) * scale, 0.0)
-        acc += tl.dot(a.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else "tf32")
-    out_at, out_mask = _head_rows(out_ptr, start, rows, row_live, heads, h, dv, BLOCK_DV)
+    for n0 in range(full, end, BLOCK_N):
+        acc = _forward_tile(
+            acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
+            time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, True, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        )
+    out_at, out_mask = _head_rows(out_ptr, start, rows, row_live, heads, h, DV, BLOCK_DV)
     tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _score_grads(s, allowed, do, v, scale):
-    """(A, dS): the attention weights and the scores' gradient, given dO · Vᵀ's inputs."""
-    sig = tl.sigmoid(s)
-    a = tl.where(allowed, s * sig * scale, 0.0)
+def _score_grads(s, do, v, scale):
+    """(A, dS) before the mask: the attention weights and the scores' gradient, given
+    dO · Vᵀ's inputs."""
+    sig = _sigmoid(s, v.dtype != tl.float32)
     da = tl.dot(do, tl.trans(v), input_precision="ieee" if v.dtype == tl.float32 else "tf32")
-    ds = tl.where(allowed, da * sig * (1 + s * (1 - sig)) * scale, 0.0)
-    return a, ds
+    return s * sig * scale, da * sig * (1 + s * (1 - sig)) * scale
+
+
+@triton.jit
+def _backward_kv_tile(
+    dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale,
+    MASKED: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    rows, _, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
+    s, _, _ = _biased_scores(q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets)
+    a, ds = _score_grads(s, do, v, scale)
+    if MASKED:
+        allowed = _allowed(rows, cols, n, history_end, context_len)
+        a = tl.where(allowed, a, 0.0)
+        ds = tl.where(allowed, ds, 0.0)
+    dv_acc += tl.dot(tl.trans(a.to(do.dtype)), do, input_precision="ieee" if q.dtype == tl.float32 else "tf32")
+    dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee" if q.dtype == tl.float32 else "tf32")
+    return dk_acc, dv_acc
 
 
 @triton.jit
 def _backward_kv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr,
-    heads, dqk, dv, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
+    heads, max_seq_len, num_buckets, context_len, scale, length_class,
+    HAS_TARGETS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK and dV of a block of key rows: Σ over the query rows that attend to them."""
-    n0, h, start, n, history_end = _program_block(offsets_ptr, targets_ptr, heads, BLOCK_N, HAS_TARGETS)
+    n0, h, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_N, HAS_TARGETS)
     if n0 >= n:
         return
-    cols, col_live, k, v, t_cols, k_mask, v_mask = _row_block(
-        k_ptr, v_ptr, timestamps_ptr, start, n0, n, heads, h, dqk, dv, BLOCK_N, BLOCK_DQK, BLOCK_DV
-    )
+    cols, col_live, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    # query rows before the block attend to it only from the context (rows < context_len)
-    first = tl.where(context_len > 0, 0, (n0 // BLOCK_M) * BLOCK_M)
-    for m0 in range(first, n, BLOCK_M):
-        rows, _, q, do, t_rows, _, _ = _row_block(
-            q_ptr, do_ptr, timestamps_ptr, start, m0, n, heads, h, dqk, dv, BLOCK_M, BLOCK_DQK, BLOCK_DV
+    first, full = _query_ranges(n0, n, history_end, context_len, BLOCK_M, BLOCK_N)
+    for m0 in range(first, tl.minimum(full, n), BLOCK_M):
+        dk_acc, dv_acc = _backward_kv_tile(
+            dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, True, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
-        s, allowed, _, _ = _scores(q, k, rows, cols, t_rows, t_cols, n, history_end, context_len, position_ptr, time_ptr, max_seq_len, num_buckets)
-        a, ds = _score_grads(s, allowed, do, v, scale)
-        precision: tl.constexpr = "ieee" if q.dtype == tl.float32 else "tf32"
-        dv_acc += tl.dot(tl.trans(a.to(do.dtype)), do, input_precision=precision)
-        dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=precision)
-    dk_at, _ = _head_rows(dk_ptr, start, cols, col_live, heads, h, dqk, BLOCK_DQK)
-    tl.store(dk_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=k_mask)
-    dv_at, _ = _head_rows(dv_ptr, start, cols, col_live, heads, h, dv, BLOCK_DV)
-    tl.store(dv_at, dv_acc.to(dv_ptr.dtype.element_ty), mask=v_mask)
+    for m0 in range(full, n, BLOCK_M):
+        dk_acc, dv_acc = _backward_kv_tile(
+            dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, False, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+        )
+    dk_at, dk_mask = _head_rows(dk_ptr, start, cols, col_live, heads, h, DQK, BLOCK_DQK)
+    tl.store(dk_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=dk_mask)
+    dv_at, dv_mask = _head_rows(dv_ptr, start, cols, col_live, heads, h, DV, BLOCK_DV)
+    tl.store(dv_at, dv_acc.to(dv_ptr.dtype.element_ty), mask=dv_mask)
+
+
+@triton.jit
+def _backward_q_tile(
+    dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+    position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len, scale,
+    MASKED: tl.constexpr, BIAS_GRADS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    cols, _, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+    s, rel, bucket = _biased_scores(q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets)
+    _, ds = _score_grads(s, do, v, scale)
+    if MASKED:
+        counted = _allowed(rows, cols, n, history_end, context_len)
+        ds = tl.where(counted, ds, 0.0)
+    else:  # (rows past the sequence's end have dS 0: they add nothing)
+        counted = tl.broadcast_to(row_live[:, None], (rows.shape[0], BLOCK_N))
+    if BIAS_GRADS:
+        tl.atomic_add(position_grad_ptr + rel, ds, mask=counted, sem="relaxed")
+        # a tile's time buckets are few and consecutive (timestamps grow along a
+        # sequence): one sum per bucket present, one atomic add each
+        low = tl.min(tl.where(counted, bucket, num_buckets))
+        high = tl.max(tl.where(counted, bucket, 0))
+        for tb in range(low, high + 1):
+            tl.atomic_add(time_grad_ptr + tb, tl.sum(tl.where(bucket == tb, ds, 0.0)), sem="relaxed")
+    return dq_acc + tl.dot(ds.to(k.dtype), k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
 
 
 @triton.jit
 def _backward_q_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr,
-    position_grad_ptr, time_grad_ptr, heads, dqk, dv, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, BIAS_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
+    position_grad_ptr, time_grad_ptr, heads, max_seq_len, num_buckets, context_len, scale, length_class,
+    HAS_TARGETS: tl.constexpr, BIAS_GRADS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ of a block of query rows, and (BIAS_GRADS) its pairs' share of the biases'
     gradients."""
-    m0, h, start, n, history_end = _program_block(offsets_ptr, targets_ptr, heads, BLOCK_M, HAS_TARGETS)
+    m0, h, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS)
     if m0 >= n:
         return
-    # no name bound here may be rebound in the loop below: Triton would carry it
-    # through the loop and reject the change of type
-    rows, row_live, q, do, t_rows, q_mask, do_mask = _row_block(
-        q_ptr, do_ptr, timestamps_ptr, start, m0, n, heads, h, dqk, dv, BLOCK_M, BLOCK_DQK, BLOCK_DV
-    )
+    rows, row_live, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    for n0 in range(0, _key_range(m0, n, history_end, context_len, BLOCK_M), BLOCK_N):
-        cols, _, k, v, t_cols, _, _ = _row_block(
-            k_ptr, v_ptr, timestamps_ptr, start, n0, n, heads, h, dqk, dv, BLOCK_N, BLOCK_DQK, BLOCK_DV
+    full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
+    for n0 in range(0, full, BLOCK_N):
+        dq_acc = _backward_q_tile(
+            dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+            position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len, scale,
+            False, BIAS_GRADS, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
-        s, allowed, rel, bucket = _scores(q, k, rows, cols, t_rows, t_cols, n, history_end, context_len, position_ptr, time_ptr, max_seq_len, num_buckets)
-        _, ds = _score_grads(s, allowed, do, v, scale)
-        dq_acc += tl.dot(ds.to(k.dtype), k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
-        if BIAS_GRADS:
-            tl.atomic_add(position_grad_ptr + rel, ds, mask=allowed, sem="relaxed")
-            # a tile's time buckets are few and consecutive (timestamps grow along a
-            # sequence): one sum per bucket present, one atomic add each
-            low = tl.min(tl.where(allowed, bucket, num_buckets))
-            high = tl.max(tl.where(allowed, bucket, 0))
-            for tb in range(low, high + 1):
-                tl.atomic_add(time_grad_ptr + tb, tl.sum(tl.where(allowed & (bucket == tb), ds, 0.0)), sem="relaxed")
-    dq_at, _ = _head_rows(dq_ptr, start, rows, row_live, heads, h, dqk, BLOCK_DQK)
-    tl.store(dq_at, dq_acc.to(dq_ptr.dtype.element_ty), mask=q_mask)
+    for n0 in range(full, end, BLOCK_N):
+        dq_acc = _backward_q_tile(
+            dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+            position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len, scale,
+            True, BIAS_GRADS, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        )
+    dq_at, dq_mask = _head_rows(dq_ptr, start, rows, row_live, heads, h, DQK, BLOCK_DQK)
+    tl.store(dq_at, dq_acc.to(dq_ptr.dtype.element_ty), mask=dq_mask)
 
 
 _forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
@@ -219,10 +338,23 @@ def _grid(rows_block: str, programs: int, max_seq_len: int):
     return lambda meta: (cdiv(max_seq_len, meta[rows_block]), programs)
 
 
+_edges: dict = {}  # (num_buckets, device): time_bucket_edges as a float32 tensor there
+
+
+def _bucket_edges(time_bias: torch.Tensor) -> torch.Tensor:
+    key = (time_bias.numel() - 1, time_bias.device)
+    if key not in _edges:
+        _edges[key] = torch.tensor(time_bucket_edges(key[0]), dtype=torch.float32, device=key[1])
+    return _edges[key]
+
+
 def _launch_shape(q, v, offsets, max_seq_len):
-    heads, dqk, dv = q.shape[1], q.shape[2], v.shape[2]
-    dims = dict(BLOCK_DQK=max(MIN_HEAD_DIM, next_power_of_2(dqk)), BLOCK_DV=max(MIN_HEAD_DIM, next_power_of_2(dv)))
-    return heads, dqk, dv, (offsets.numel() - 1) * heads, dims
+    """(heads, sequences × heads, the head dims and their blocks as the kernels' constants)."""
+    dqk, dv = q.shape[2], v.shape[2]
+    dims = dict(
+        DQK=dqk, DV=dv, BLOCK_DQK=max(MIN_HEAD_DIM, next_power_of_2(dqk)), BLOCK_DV=max(MIN_HEAD_DIM, next_power_of_2(dv))
+    )
+    return q.shape[1], (offsets.numel() - 1) * q.shape[1], dims
 
 
 def hstu_attention(
@@ -231,7 +363,7 @@ def hstu_attention(
     num_targets: torch.Tensor | None = None, context_len: int = 0,
 ) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    heads, dqk, dv, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
+    heads, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
     out = v.new_empty(v.shape)
     if out.numel() and programs:
         length_class = next_power_of_2(max_seq_len)
@@ -239,7 +371,7 @@ def hstu_attention(
         _forward(
             _grid("BLOCK_M", programs, max_seq_len),
             (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
-             heads, dqk, dv, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class),
+             _bucket_edges(time_bias), heads, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class),
             constants,
         )
     return out
@@ -253,22 +385,22 @@ def hstu_attention_backward(
     """(dq, dk, dv, d position_bias, d time_bias); the biases' gradients are float32 (None
     without bias_grads)."""
     q, k, v, grad = q.contiguous(), k.contiguous(), v.contiguous(), grad.contiguous()
-    heads, dqk, dv, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
+    heads, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
     dq, dk, dvv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     position_grad = torch.zeros(position_bias.shape, dtype=torch.float32, device=q.device)
     time_grad = torch.zeros(time_bias.shape, dtype=torch.float32, device=q.device)
     if q.shape[0] and programs:
         targets = num_targets if num_targets is not None else offsets
-        length_class = next_power_of_2(max_seq_len)
+        length_class, edges = next_power_of_2(max_seq_len), _bucket_edges(time_bias)
         common = dict(HAS_TARGETS=num_targets is not None, **dims)
-        sizes = (heads, dqk, dv, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class)
+        sizes = (heads, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class)
         _backward_kv(
             _grid("BLOCK_N", programs, max_seq_len),
-            (q, k, v, grad, dk, dvv, offsets, timestamps, targets, position_bias, time_bias, *sizes), common,
+            (q, k, v, grad, dk, dvv, offsets, timestamps, targets, position_bias, time_bias, edges, *sizes), common,
         )
         _backward_q(
             _grid("BLOCK_M", programs, max_seq_len),
-            (q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, position_grad, time_grad, *sizes),
+            (q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, edges, position_grad, time_grad, *sizes),
             dict(BIAS_GRADS=bias_grads, **common),
         )
     if not bias_grads:
