@@ -9,8 +9,9 @@ For each sequence (rows offsets[b] to offsets[b + 1] of q, k, v) and head:
 position_bias has 2 · max_seq_len - 1 entries (j - i clamped to ±(max_seq_len - 1));
 time_bias has num_buckets + 1, and bucket(gap) = floor(log(max(gap, 1)) / TIME_BUCKET_LOG)
 clamped to [0, num_buckets], made exact: the bucket is the number of edges ceil(exp(b ·
-TIME_BUCKET_LOG)), b = 1 .. num_buckets, at or below the gap, both rounded to float32. A sequence of n rows whose last T = num_targets[b] are targets
-(candidates) and whose first C = context_len are a context prefix allows:
+TIME_BUCKET_LOG)), b = 1 .. num_buckets, at or below the gap, both rounded to float32.
+A sequence of n rows whose last T = num_targets[b] are targets (candidates) and whose
+first C = context_len are a context prefix allows:
 
     context row i < C:        every history row j < n - T (both ways)
     history row C <= i < n-T: j <= i (causal)
