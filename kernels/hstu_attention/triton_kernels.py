@@ -7,7 +7,8 @@ biases looked up from their tables inside the kernel (no (L, L) tensor in memory
 accumulates SiLU(scores) / max_seq_len · V. The grid is sized by max_seq_len, so no length
 is read on the host; programs past their sequence's end return at once.
 Backward, two kernels that recompute the scores: one per key block (dK, dV), one per query
-block (dQ and the biases' gradients, added to float32 tables by atomic adds).
+block (dQ and the biases' gradients, added by atomic adds into copies of float32 tables
+that are summed after the launch).
 
 Each kernel walks its tiles in two loops: the tiles whose every pair is allowed (wholly
 below the diagonal and inside the history) skip the mask; the rest (the diagonal, the
@@ -43,6 +44,10 @@ _LOG2_TO_BUCKET = tl.constexpr(math.log(2) / TIME_BUCKET_LOG)  # log(gap) / TIME
 # log2(gap) · _LOG2_TO_BUCKET is within 1e-5 of the exact value (the approximate log2 and
 # float32 rounding): a pair this close to a whole number is placed by its bucket's edge
 _NEAR_EDGE = tl.constexpr(1e-3)
+# The dQ kernel adds the biases' gradients into this many copies of each, a program into
+# copy (its linear id mod this), summed after the launch: with one copy, programs adding at
+# the same positions or buckets at once wait on each other's atomic adds.
+BIAS_GRAD_COPIES = tl.constexpr(64)
 
 
 @triton.jit
@@ -268,6 +273,25 @@ def _backward_kv_kernel(
 
 
 @triton.jit
+def _add_time_grads(grad_ptr, ds, bucket, counted, num_buckets):
+    """Adds each time bucket's sum of ds over the counted pairs into grad_ptr. A tile's
+    buckets are few and consecutive where timestamps grow along a sequence: its range is
+    walked four buckets a step, summed along rows within each warp and then across warps
+    in one reduction, one atomic add per bucket."""
+    low = tl.min(tl.where(counted, bucket, num_buckets))
+    high = tl.max(tl.where(counted, bucket, 0))
+    pair = tl.arange(0, 2)
+    for first in range(low, high + 1, 4):
+        r0 = tl.sum(tl.where(bucket == first, ds, 0.0), axis=1)
+        r1 = tl.sum(tl.where(bucket == first + 1, ds, 0.0), axis=1)
+        r2 = tl.sum(tl.where(bucket == first + 2, ds, 0.0), axis=1)
+        r3 = tl.sum(tl.where(bucket == first + 3, ds, 0.0), axis=1)
+        sums = tl.sum(tl.join(tl.join(r0, r1), tl.join(r2, r3)), axis=0)  # [i, j]: bucket first + i + 2j
+        at = first + pair[:, None] + 2 * pair[None, :]
+        tl.atomic_add(grad_ptr + at, sums, mask=at <= high, sem="relaxed")
+
+
+@triton.jit
 def _backward_q_tile(
     dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
     position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len, scale,
@@ -283,13 +307,10 @@ def _backward_q_tile(
     else:  # (rows past the sequence's end have dS 0: they add nothing)
         counted = tl.broadcast_to(row_live[:, None], (rows.shape[0], BLOCK_N))
     if BIAS_GRADS:
-        tl.atomic_add(position_grad_ptr + rel, ds, mask=counted, sem="relaxed")
-        # a tile's time buckets are few and consecutive (timestamps grow along a
-        # sequence): one sum per bucket present, one atomic add each
-        low = tl.min(tl.where(counted, bucket, num_buckets))
-        high = tl.max(tl.where(counted, bucket, 0))
-        for tb in range(low, high + 1):
-            tl.atomic_add(time_grad_ptr + tb, tl.sum(tl.where(bucket == tb, ds, 0.0)), sem="relaxed")
+        # (copies of both gradients are the rows of one tensor: the two pointers are into its first row)
+        copy = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) % BIAS_GRAD_COPIES * (2 * max_seq_len + num_buckets)
+        tl.atomic_add(position_grad_ptr + copy + rel, ds, mask=counted, sem="relaxed")
+        _add_time_grads(time_grad_ptr + copy, ds, bucket, counted, num_buckets)
     return dq_acc + tl.dot(ds.to(k.dtype), k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
 
 
@@ -386,9 +407,12 @@ def hstu_attention_backward(
     without bias_grads)."""
     q, k, v, grad = q.contiguous(), k.contiguous(), v.contiguous(), grad.contiguous()
     heads, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
-    dq, dk, dvv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    position_grad = torch.zeros(position_bias.shape, dtype=torch.float32, device=q.device)
-    time_grad = torch.zeros(time_bias.shape, dtype=torch.float32, device=q.device)
+    # every row belongs to a sequence, whose programs write it whole
+    dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # the copies of both biases' gradients as the rows of one tensor, zeroed and summed once
+    bias_sizes = [position_bias.numel(), time_bias.numel()]
+    copies = torch.zeros(BIAS_GRAD_COPIES if bias_grads else 1, sum(bias_sizes), dtype=torch.float32, device=q.device)
+    position_grad, time_grad = copies.split(bias_sizes, dim=1)
     if q.shape[0] and programs:
         targets = num_targets if num_targets is not None else offsets
         length_class, edges = next_power_of_2(max_seq_len), _bucket_edges(time_bias)
@@ -405,4 +429,4 @@ def hstu_attention_backward(
         )
     if not bias_grads:
         return dq, dk, dvv, None, None
-    return dq, dk, dvv, position_grad, time_grad
+    return dq, dk, dvv, *copies.sum(0).split(bias_sizes)
