@@ -8,7 +8,10 @@ One process, the real LightningModule, data loader and Trainer (manual optimizat
 lookups and fused sparse updates included), bf16 autocast on CUDA as training runs there.
 Data: synthetic ML-1M-like sequences (seeded) for the paper presets; for presets longer
 than those (hstu-long) sequences of lengths uniform in [N/2, N] over a Zipf catalog. The
-first `--warmup` steps are not timed; on CUDA every timed step ends with a synchronize.
+first `--warmup` steps are not timed; on CUDA the timed window starts and ends with a
+synchronize and has none of its own between steps. On one CUDA device the model's forward
+and backward replay CUDA graphs (lightning_modules/cuda_graphs.py) unless
+`--cuda-graph-buckets 0`.
 
 FLOPs per step count the matrix products (layer norms, activations and the embedding
 table are left out). With P positions the model reads (sequences of n_b rows), width D,
@@ -77,36 +80,45 @@ def uniform_lengths_data(path: Path, users: int, max_len: int, seed: int) -> Non
 
 
 class StepTimer(L.Callback):
-    def __init__(self, warmup: int, device: str, config, negatives: int, profiler=None):
-        self.warmup, self.device, self.config, self.negatives = warmup, device, config, negatives
-        self.start, self.samples, self.positions, self.steps, self.flops = None, 0, 0, 0, 0.0
-        self.profiler = profiler  # torch.profiler over the timed steps, or None
+    """Times the steps after `warmup` to the last one (max_steps): a synchronize where the
+    window starts and where it ends, none between (a step need not wait for the last
+    one's kernels, as in training). The timed batches' lengths stay on the device until
+    the end."""
 
-    def on_train_end(self, trainer, module):
-        if self.profiler is not None:
-            self.profiler.stop()
+    def __init__(self, warmup: int, device: str, profiler=None):
+        self.warmup, self.device = warmup, device
+        self.start, self.elapsed, self.steps, self.lengths = None, None, 0, []
+        self.profiler = profiler  # torch.profiler over the timed steps, or None
 
     def _sync(self):
         if self.device == "cuda":
             torch.cuda.synchronize()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self._sync()
         if trainer.global_step == self.warmup:
+            self._sync()
             if self.profiler is not None:
                 self.profiler.start()
             self.start = time.perf_counter()
         elif trainer.global_step > self.warmup:
-            input_lengths = batch["input_offsets"].diff().cpu().numpy()
-            self.samples += len(batch["lengths"])
-            self.positions += int(input_lengths.sum())
-            self.flops += step_flops(self.config, input_lengths, self.negatives)
+            self.lengths.append(batch["input_offsets"].diff())  # no read back until the end
             self.steps += 1
-            self.elapsed = time.perf_counter() - self.start
+            if trainer.global_step == trainer.max_steps:
+                self._sync()
+                self.elapsed = time.perf_counter() - self.start
+                if self.profiler is not None:
+                    self.profiler.stop()
+
+    def input_lengths(self) -> list[np.ndarray]:
+        """Each timed step's input lengths (what the model read per sequence)."""
+        return [x.cpu().numpy() for x in self.lengths]
 
 
-def run(device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None) -> dict:
-    config = preset(preset_name).override(batch_size=batch_size)
+def run(
+    device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
+    cuda_graph_buckets: int | None = None,
+) -> dict:
+    config = preset(preset_name).override(batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets)
     with tempfile.TemporaryDirectory() as tmp:
         if config.max_seq_len > ML1M_LIKE_MAX_LEN:
             users = config.batch_size * (warmup + steps)
@@ -120,7 +132,7 @@ def run(device: str, preset_name: str, users: int, steps: int, warmup: int, batc
         if profile:
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
             profiler = torch.profiler.profile(activities=activities)
-        timer = StepTimer(warmup, device, config, min(config.num_negatives, len(catalog)), profiler)
+        timer = StepTimer(warmup, device, profiler)
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
@@ -134,13 +146,18 @@ def run(device: str, preset_name: str, users: int, steps: int, warmup: int, batc
         sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
         print(f"\n{preset_name}: the timed steps by {sort}\n" + profiler.key_averages().table(sort_by=sort, row_limit=30))
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
-    tflops = timer.flops / timer.elapsed / 1e12
+    lengths = timer.input_lengths()
+    negatives = min(config.num_negatives, len(catalog))
+    flops = sum(step_flops(config, x, negatives) for x in lengths)
+    tflops = flops / timer.elapsed / 1e12
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name.split()), None) if device == "cuda" else None
     return {
         "device": device, "device_name": name, "threads": torch.get_num_threads(), "preset": preset_name,
         "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
-        "num_negatives": config.num_negatives, "users": users, "timed_steps": timer.steps, "seconds": timer.elapsed,
-        "samples_per_s": timer.samples / timer.elapsed, "positions_per_s": timer.positions / timer.elapsed,
+        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "users": users,
+        "timed_steps": timer.steps, "seconds": timer.elapsed,
+        "samples_per_s": sum(len(x) for x in lengths) / timer.elapsed,
+        "positions_per_s": sum(int(x.sum()) for x in lengths) / timer.elapsed,
         "ms_per_step": 1000 * timer.elapsed / timer.steps, "TFLOPs": tflops, "MFU": tflops / peak if peak else None,
         "embedding_rows": module.items.item_table.stats().size, "torch": torch.__version__,
     }
@@ -154,11 +171,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int)
+    p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
     p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops, write Chrome traces to DIR")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
-    rows = [run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile) for name in args.preset]
+    rows = [
+        run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets)
+        for name in args.preset
+    ]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")
     for r in rows:
         mfu = f"{100 * r['MFU']:6.1f}%" if r["MFU"] is not None else f"{'-':>7}"

@@ -37,6 +37,9 @@ class HSTUConfig:
     # item side features: each item's genres (items.parquet, where the data has them),
     # their rows' mean added to the item's row, from a second table of the same collection
     item_features: bool = False
+    # on one CUDA device, the model's training forward and backward replay CUDA graphs, one
+    # per bucket of padded row counts (this many, evenly spaced; 0: no graphs)
+    cuda_graph_buckets: int = 4
 
     def embedding_config(self) -> EmbeddingConfig:
         return EmbeddingConfig(
@@ -76,6 +79,7 @@ PRESETS = {
     # the production shape: long histories, a wide model (GPU only)
     "hstu-long": HSTUConfig(
         num_blocks=8, num_heads=4, attention_dim=128, linear_dim=128, embedding_dim=512, max_seq_len=4096, batch_size=16,
+        cuda_graph_buckets=0,  # the host is not its bound, and each bucket's graph holds its activations
     ),
 }
 

@@ -5,7 +5,8 @@ a genre table beside it: item_embedding.py). Manual optimization: each step embe
 batch's items and the step's negatives, runs the model, back-propagates once (DDP
 all-reduces dense gradients), steps AdamW on the dense weights, and hands the embedding
 gradients to the tables' fused sparse optimizers (which route them to the ranks owning
-the rows).
+the rows). In one process on a GPU the model's forward and backward replay CUDA graphs
+(cuda_graphs.py), and only every log_every_n_steps-th step logs (a log waits for the GPU).
 
 Both offer `rankers(catalog)`, what validation scores (callbacks.Validation).
 """
@@ -16,6 +17,7 @@ import lightning as L
 import torch
 
 from .config import HSTUConfig
+from .cuda_graphs import GraphedHSTU
 from .evaluate import HSTURanker, SASRecRanker
 from .data import padded
 from .hstu import HSTU, valid_mask
@@ -47,12 +49,17 @@ class HSTULightningModule(L.LightningModule):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.features = features if config.item_features else None
         self.items: ItemEmbedding | None = None
-        self._last_step_end: float | None = None
+        self.graphed: GraphedHSTU | None = None  # the model's CUDA graphs, where setup makes them
+        self._last_logged: float | None = None  # when _log_step last logged, and the samples trained since
+        self._samples = 0
 
     def setup(self, stage: str) -> None:
         # after the process group exists, so the table knows its rank and world size
         if self.items is None:
             self.items = self._new_items()
+        c, trainer = self.config, self.trainer
+        if self.graphed is None and c.cuda_graph_buckets and trainer.strategy.root_device.type == "cuda" and trainer.world_size == 1:
+            self.graphed = GraphedHSTU(self.model, c.batch_size, c.cuda_graph_buckets)
 
     def _new_items(self) -> ItemEmbedding:
         # the strategy's device: the module itself may not have moved there yet
@@ -60,7 +67,8 @@ class HSTULightningModule(L.LightningModule):
 
     def configure_optimizers(self):
         c = self.config
-        return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        on_cuda = all(p.is_cuda for p in self.model.parameters())  # one fused kernel there, not one per tensor group
+        return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay, fused=on_cuda or None)
 
     def sample_negatives(self) -> torch.Tensor:
         """The step's negatives, shared by every position: the whole catalog when it has
@@ -83,7 +91,8 @@ class HSTULightningModule(L.LightningModule):
         looked = self.items.lookup(all_ids, train=True)  # leaves: gradients land in their .grad
         rows = looked.embeddings
         seq_rows, neg_rows = rows[: ids.numel()], rows[ids.numel() :]
-        out = self.model(seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])  # (targets, D)
+        dense = self.graphed or self.model
+        out = dense(seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])  # (targets, D)
         targets = sources + 1
         if targets.numel() and negatives is self.catalog:  # the full softmax
             index = torch.searchsorted(self.catalog, ids[targets])
@@ -99,23 +108,27 @@ class HSTULightningModule(L.LightningModule):
         opt.step()
         self.items.apply_gradients(looked)
 
-        B = len(batch["lengths"])
-        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=B)
-        self._log_throughput(B)
+        self._log_step(loss, len(batch["lengths"]))
         return loss.detach()
 
-    def _log_throughput(self, batch_size: int) -> None:
+    def _log_step(self, loss: torch.Tensor, batch_size: int) -> None:
+        """Every log_every_n_steps steps (the steps whose logs Lightning hands its loggers;
+        a value logged makes the host wait for the device, which at every step would stall
+        the GPU): the loss, samples/s over the steps since the last logged one, and the
+        tables' statistics."""
+        self._samples += batch_size * self.trainer.world_size
+        if self.global_step % max(1, self.trainer.log_every_n_steps):
+            return
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=batch_size)
         now = time.perf_counter()
-        if self._last_step_end is not None:
-            global_batch = batch_size * self.trainer.world_size
-            self.log("train/samples_per_s", global_batch / (now - self._last_step_end), on_step=True, batch_size=batch_size)
-        self._last_step_end = now
-        if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
-            for name, value in self.items.metrics("emb/").items():
-                self.log(name, value, on_step=True, rank_zero_only=True, batch_size=batch_size)
+        if self._last_logged is not None:
+            self.log("train/samples_per_s", self._samples / (now - self._last_logged), on_step=True, batch_size=batch_size)
+        self._last_logged, self._samples = now, 0
+        for name, value in self.items.metrics("emb/").items():
+            self.log(name, value, on_step=True, rank_zero_only=True, batch_size=batch_size)
 
     def on_train_epoch_start(self) -> None:
-        self._last_step_end = None  # the first step's time includes data start-up
+        self._last_logged, self._samples = None, 0  # the first step's time includes data start-up
         self.items.set_epoch(self.current_epoch)  # the epoch_* eviction policies
 
     def rankers(self, catalog: torch.Tensor) -> dict:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lightning_modules.config import HSTUConfig, preset
-from lightning_modules.data import jagged_batch, padded
+from lightning_modules.data import PACKED, SequenceDataModule, jagged_batch, padded, unpacked
+from lightning_modules.datasets import prepare
 from lightning_modules.evaluate import ranking_metrics, target_ranks
 from lightning_modules.hstu import HSTU
 from lightning_modules import losses
@@ -62,6 +63,25 @@ def test_jagged_batches_name_the_rows_the_model_reads():
     assert padded(batch["item_ids"], batch["lengths"]).tolist() == [[10, 11, 12], [0, 0, 0], [20, 0, 0], [30, 31, 0]]
     empty = jagged_batch([])
     assert empty["item_ids"].shape == (0,) and empty["offsets"].tolist() == [0] and empty["input_rows"].numel() == 0
+
+
+def test_the_loader_packs_each_batch_into_one_tensor_and_unpacking_gives_the_jagged_batch(tmp_path):
+    prepare("synthetic", tmp_path, synthetic_users=40, seed=0)
+    data = SequenceDataModule(tmp_path, max_len=9, batch_size=16, num_workers=2)
+    data.setup("fit")
+    packed = list(data.train_dataloader())
+    assert [len(b) for b in packed] == [2] * 3 and all(isinstance(b[PACKED], torch.Tensor) for b in packed)
+    seen = []
+    for b in packed:
+        got = data.on_after_batch_transfer(b, 0)
+        # the batch's samples, read back from its offsets, make the same jagged batch
+        bounds = got["offsets"].tolist()
+        samples = [(got["item_ids"][s:e].numpy(), got["timestamps"][s:e].numpy()) for s, e in zip(bounds, bounds[1:])]
+        want = jagged_batch(samples)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        seen += [(tuple(i), tuple(t)) for i, t in samples]
+    assert sorted(seen) == sorted((tuple(i), tuple(t)) for i, t in (data.train[j] for j in range(len(data.train))))
+    assert unpacked(want) is want  # a batch that is not packed passes as it is
 
 
 def padded_hstu(model: HSTU, emb, ts, lengths):

@@ -1,0 +1,102 @@
+"""The HSTU model's training forward and backward, replayed from CUDA graphs.
+
+At the paper's lengths the training step is bound by the host: the model is hundreds of
+small kernels, each launched from Python (benchmarks/train_throughput.md). A CUDA graph
+replays a whole forward, or a whole backward, as one launch. A graph has fixed shapes and
+a jagged batch's row count varies, so each batch is padded up to a bucket: `buckets` row
+counts evenly spaced up to batch_size · max_seq_len, every one captured
+(torch.cuda.make_graphed_callables) at the first training call.
+
+Padding keeps the batch a valid jagged batch (pad_jagged): empty sequences fill it up to
+batch_size sequences, and the padding rows follow as sequences of their own, none longer
+than max_seq_len. No real row attends to a padding row, and the padding rows' outputs are
+dropped, so the real rows' outputs and every gradient are those of the unpadded batch.
+
+Graphs replace only the training forward and backward with gradients to the input rows;
+evaluation, CPU tensors and batches outside the buckets run the model as it is. The
+module uses graphs in a single process only (HSTULightningModule.setup).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .hstu import HSTU
+
+
+def pad_jagged(
+    x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, rows: int, batch_slots: int, max_seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A jagged batch (x (P, D), timestamps (P,), offsets (B + 1,)) padded to `rows` rows
+    and batch_slots + ceil(rows / max_seq_len) sequences: the B sequences, then empty ones
+    up to batch_slots, then the padding rows (zeros, timestamp 0) in sequences of at most
+    max_seq_len rows (empty ones at the end). Built on the device from the shapes alone:
+    the host reads nothing back."""
+    P, B = x.shape[0], offsets.numel() - 1
+    if P > rows or B > batch_slots:
+        raise ValueError(f"a batch of {B} sequences and {P} rows does not fit {batch_slots} sequences of {rows} rows")
+    pad_sequences = math.ceil(rows / max_seq_len)
+    after = torch.arange(1, batch_slots - B + pad_sequences + 1, device=offsets.device)
+    # the first batch_slots - B offsets after the batch's stay at P (empty sequences), then
+    # each grows by max_seq_len until it reaches `rows`
+    tail = (P + max_seq_len * (after - (batch_slots - B)).clamp(min=0)).clamp(max=rows)
+    return F.pad(x, (0, 0, 0, rows - P)), F.pad(timestamps, (0, rows - P)), torch.cat([offsets, tail.to(offsets.dtype)])
+
+
+class _Captured(nn.Module):
+    """The model as one bucket's graph sees it (make_graphed_callables replaces this
+    module's forward, not the model's)."""
+
+    def __init__(self, model: HSTU):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.model(x, timestamps, offsets)
+
+
+class GraphedHSTU:
+    """Calls `model` as the model itself is called, training forwards and backwards
+    replayed from one CUDA graph per row bucket (module docstring). `batch_slots`: the
+    most sequences a batch holds (the per-process batch size)."""
+
+    def __init__(self, model: HSTU, batch_slots: int, buckets: int):
+        if buckets < 1:
+            raise ValueError(f"buckets must be at least 1, got {buckets}")
+        self.model, self.batch_slots = model, batch_slots
+        self.max_rows = batch_slots * model.config.max_seq_len
+        self.bucket_rows = math.ceil(self.max_rows / buckets)
+        self.sizes = sorted({min(k * self.bucket_rows, self.max_rows) for k in range(1, buckets + 1)})  # the buckets' rows
+        self.graphs: dict[tuple, nn.Module] = {}  # (rows, autocast dtype or None) -> the graphed module
+        self.pool = None  # one memory pool for every bucket: a step replays one bucket's forward, then its backward
+
+    def rows_for(self, rows: int) -> int:
+        """The bucket a batch of `rows` rows is padded to."""
+        return min(max(1, math.ceil(rows / self.bucket_rows)) * self.bucket_rows, self.max_rows)
+
+    def __call__(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        P, B = x.shape[0], offsets.numel() - 1
+        graphed = self.model.training and torch.is_grad_enabled() and x.is_cuda and x.requires_grad
+        if not graphed or P > self.max_rows or B > self.batch_slots:
+            return self.model(x, timestamps, offsets)
+        rows = self.rows_for(P)
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        if (rows, dtype) not in self.graphs:
+            self._capture_all(x, timestamps, offsets, dtype)
+        padded = pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
+        return self.graphs[(rows, dtype)](*padded)[:P]
+
+    def _capture_all(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype | None) -> None:
+        """Captures every bucket's forward and backward at once (so that no capture, and no
+        kernel tuning in its warm-up runs, lands in the middle of training), each on a batch
+        of padding rows alone: a graph depends on the batch's shapes, not its values."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        empty = (x[:0].detach(), timestamps[:0], offsets[:1])
+        for rows in self.sizes:
+            px, pts, poff = pad_jagged(*empty, rows, self.batch_slots, self.model.config.max_seq_len)
+            sample = (px.requires_grad_(True), pts, poff)
+            # graphs record autocast's casts; they cannot use its cache of cast weights
+            with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
+                self.graphs[(rows, dtype)] = torch.cuda.make_graphed_callables(_Captured(self.model), sample, pool=self.pool)

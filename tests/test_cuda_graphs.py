@@ -1,0 +1,131 @@
+"""The model's training forward and backward from CUDA graphs: the padding they need keeps
+every real row's output and every gradient (CPU), and the graphs replay what the model
+computes (GPU)."""
+import lightning as L
+import pytest
+import torch
+
+from lightning_modules.config import HSTUConfig
+from lightning_modules.cuda_graphs import GraphedHSTU, pad_jagged
+from lightning_modules.data import SequenceDataModule
+from lightning_modules.datasets import prepare
+from lightning_modules.hstu import HSTU
+from lightning_modules.module import HSTULightningModule
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIG = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, embedding_dim=16, max_seq_len=12, dropout=0.0)
+
+
+def batch(lengths, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    x = torch.randn(total, CONFIG.embedding_dim, generator=g)
+    ts = torch.randint(0, 10**6, (total,), generator=g).sort().values
+    return x.to(device), ts.to(device), offsets.to(device)
+
+
+@pytest.mark.parametrize("lengths,rows,slots", [([5, 12, 0, 3], 20, 4), ([5, 12, 0, 3], 47, 6), ([], 13, 2), ([12, 12], 24, 2)])
+def test_padding_makes_a_jagged_batch_of_fixed_shape_around_the_real_one(lengths, rows, slots):
+    x, ts, offsets = batch(lengths, seed=0)
+    px, pts, poff = pad_jagged(x, ts, offsets, rows, slots, CONFIG.max_seq_len)
+    pad_sequences = -(-rows // CONFIG.max_seq_len)
+    assert px.shape == (rows, CONFIG.embedding_dim) and pts.shape == (rows,) and poff.shape == (slots + pad_sequences + 1,)
+    assert torch.equal(poff[: len(offsets)], offsets) and int(poff[-1]) == rows
+    sizes = poff.diff()
+    assert (sizes >= 0).all() and (sizes <= CONFIG.max_seq_len).all()
+    assert (sizes[len(lengths) : slots] == 0).all()  # the batch's empty slots
+    assert torch.equal(px[: len(x)], x) and not px[len(x) :].any() and torch.equal(pts[: len(ts)], ts)
+
+
+def test_a_batch_that_does_not_fit_is_refused():
+    x, ts, offsets = batch([5, 7], seed=0)
+    with pytest.raises(ValueError, match="2 sequences and 12 rows"):
+        pad_jagged(x, ts, offsets, 11, 2, CONFIG.max_seq_len)
+    with pytest.raises(ValueError, match="does not fit 1 sequences"):
+        pad_jagged(x, ts, offsets, 20, 1, CONFIG.max_seq_len)
+
+
+def test_the_padded_batch_gives_the_real_rows_outputs_and_gradients():
+    """The model on the padded batch, its padding rows' outputs dropped, is the model on the
+    batch itself: outputs, input gradients and weight gradients (the twin on a CPU)."""
+    model = HSTU(CONFIG).double()
+    x, ts, offsets = batch([5, 12, 0, 1, 9], seed=1)
+    x = x.double().requires_grad_(True)
+    weight = torch.randn(x.shape[0], CONFIG.embedding_dim, dtype=torch.float64)
+    plain = model(x, ts, offsets)
+    (plain * weight).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want_x, x.grad = x.grad.clone(), None
+    model.zero_grad()
+    padded = model(*pad_jagged(x, ts, offsets, 40, 7, CONFIG.max_seq_len))[: x.shape[0]]
+    (padded * weight).sum().backward()
+    torch.testing.assert_close(padded, plain)
+    torch.testing.assert_close(x.grad, want_x)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
+def test_buckets_cover_every_row_count_up_to_the_batch():
+    graphed = GraphedHSTU(HSTU(CONFIG), batch_slots=4, buckets=3)  # 48 rows at most, buckets of 16
+    assert [graphed.rows_for(r) for r in (0, 1, 16, 17, 32, 33, 48)] == [16, 16, 16, 32, 32, 48, 48]
+    assert graphed.sizes == [16, 32, 48]
+    assert GraphedHSTU(HSTU(CONFIG), batch_slots=5, buckets=7).sizes == [9, 18, 27, 36, 45, 54, 60]  # the last one cut to 60
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
+def test_graph_replays_equal_the_model_in_each_bucket():
+    """Training calls through the graphs, under bf16 autocast, against the model itself on
+    the same batches: outputs, input and weight gradients, over batches that reuse a
+    bucket's graph with new data and fall in several buckets."""
+    torch.manual_seed(0)
+    model = HSTU(CONFIG).to(DEVICE)
+    graphed = GraphedHSTU(model, batch_slots=5, buckets=3)
+    for seed, lengths in enumerate([[5, 12, 0, 3], [7, 1, 12, 10], [12, 12, 12, 9, 11], [2], []]):
+        x, ts, offsets = batch(lengths, seed, DEVICE)
+        weight = torch.randn(x.shape[0], CONFIG.embedding_dim, device=DEVICE)
+        results = []
+        for call in (graphed, model):
+            xi = x.clone().requires_grad_(True)
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                out = call(xi, ts, offsets)
+            (out.float() * weight).sum().backward()
+            results.append((out.float(), xi.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (out_g, dx_g, grads_g), (out_m, dx_m, grads_m) = results
+        torch.testing.assert_close(out_g, out_m, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(dx_g, dx_m, atol=2e-2, rtol=2e-2)
+        for n in grads_m:
+            torch.testing.assert_close(grads_g[n], grads_m[n], atol=5e-2, rtol=5e-2, msg=n)
+    assert sorted(rows for rows, _ in graphed.graphs) == [20, 40, 60]  # every bucket, captured at the first call
+
+
+class Losses(L.Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.values.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
+def test_training_through_the_graphs_follows_training_without_them(tmp_path):
+    """The Lightning module on one GPU (bf16 autocast) with and without graphs, same seed
+    and batches, no dropout: the graphs are used, and the step losses agree."""
+    prepare("synthetic", tmp_path, synthetic_users=256, seed=0)
+    curves = {}
+    for buckets in (2, 0):
+        L.seed_everything(0, verbose=False)
+        config = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=16, linear_dim=16, embedding_dim=32, max_seq_len=50,
+                            dropout=0.0, batch_size=32, cuda_graph_buckets=buckets)
+        data = SequenceDataModule(tmp_path, config.max_seq_len, config.batch_size)
+        module = HSTULightningModule(config, data.catalog())
+        losses = Losses()
+        L.Trainer(accelerator="gpu", devices=1, max_steps=12, precision="bf16-mixed", logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[losses]).fit(module, datamodule=data)
+        curves[buckets] = losses.values
+        assert bool(module.graphed and module.graphed.graphs) == bool(buckets)
+    graphed, plain = torch.tensor(curves[2]), torch.tensor(curves[0])
+    assert len(graphed) == 12 and plain[-1] < plain[0]
+    torch.testing.assert_close(graphed, plain, atol=0.05, rtol=0.02)
