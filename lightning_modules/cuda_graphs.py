@@ -16,6 +16,7 @@ Graphs replace only the training forward and backward with gradients to the inpu
 evaluation, CPU tensors and batches outside the buckets run the model as it is. The
 module uses graphs in a single process only (HSTULightningModule.setup).
 """
+import bisect
 import math
 
 import torch
@@ -66,14 +67,15 @@ class GraphedHSTU:
             raise ValueError(f"buckets must be at least 1, got {buckets}")
         self.model, self.batch_slots = model, batch_slots
         self.max_rows = batch_slots * model.config.max_seq_len
-        self.bucket_rows = math.ceil(self.max_rows / buckets)
-        self.sizes = sorted({min(k * self.bucket_rows, self.max_rows) for k in range(1, buckets + 1)})  # the buckets' rows
+        step = math.ceil(self.max_rows / buckets)
+        self.sizes = sorted({min(k * step, self.max_rows) for k in range(1, buckets + 1)})  # the buckets' rows
         self.graphs: dict[tuple, nn.Module] = {}  # (rows, autocast dtype or None) -> the graphed module
         self.pool = None  # one memory pool for every bucket: a step replays one bucket's forward, then its backward
 
     def rows_for(self, rows: int) -> int:
-        """The bucket a batch of `rows` rows is padded to."""
-        return min(max(1, math.ceil(rows / self.bucket_rows)) * self.bucket_rows, self.max_rows)
+        """The bucket a batch of `rows` (at most max_rows) rows is padded to: the smallest
+        that holds it."""
+        return self.sizes[bisect.bisect_left(self.sizes, rows)]
 
     def __call__(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         P, B = x.shape[0], offsets.numel() - 1

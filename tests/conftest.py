@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -15,6 +16,16 @@ if not os.path.exists("/dev/nvidia0"):
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))  # benchmarks/ (not an installed package) for the tests that reuse its helpers
+
+
+def sequence_batch(lengths: list[int], dim: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A jagged batch as the HSTU model reads it, of sequences of these lengths: rows
+    (total, dim), sorted timestamps (total,) and offsets (B + 1,), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    return torch.randn(total, dim, generator=gen), torch.randint(0, 10**6, (total,), generator=gen).sort().values, offsets
 
 
 def free_port() -> int:

@@ -4,6 +4,7 @@ computes (GPU)."""
 import lightning as L
 import pytest
 import torch
+from conftest import sequence_batch
 
 from lightning_modules.config import HSTUConfig
 from lightning_modules.cuda_graphs import GraphedHSTU, pad_jagged
@@ -17,13 +18,7 @@ CONFIG = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, em
 
 
 def batch(lengths, seed, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor(lengths, dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    total = int(offsets[-1])
-    x = torch.randn(total, CONFIG.embedding_dim, generator=g)
-    ts = torch.randint(0, 10**6, (total,), generator=g).sort().values
-    return x.to(device), ts.to(device), offsets.to(device)
+    return tuple(t.to(device) for t in sequence_batch(lengths, CONFIG.embedding_dim, seed))
 
 
 @pytest.mark.parametrize("lengths,rows,slots", [([5, 12, 0, 3], 20, 4), ([5, 12, 0, 3], 47, 6), ([], 13, 2), ([12, 12], 24, 2)])

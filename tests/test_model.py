@@ -3,6 +3,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import sequence_batch
 
 from lightning_modules.config import HSTUConfig, preset
 from lightning_modules.data import PACKED, SequenceDataModule, jagged_batch, padded, unpacked
@@ -24,17 +25,9 @@ def test_presets_are_the_papers_ml1m_settings():
         assert (c.max_seq_len, c.dropout, c.lr, c.betas, c.batch_size, c.temperature) == (200, 0.2, 4e-3, (0.9, 0.98), 128, 0.1)
 
 
-def jagged_case(lengths, dim=16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor(lengths, dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    total = int(offsets[-1])
-    return torch.randn(total, dim, generator=gen), torch.randint(0, 10**6, (total,), generator=gen).sort().values, offsets
-
-
 def test_output_is_causal_normalized_and_sequences_are_independent():
     model = HSTU(SMALL).eval()
-    emb, ts, offsets = jagged_case([10, 6, 0, 12])
+    emb, ts, offsets = sequence_batch([10, 6, 0, 12])
     with torch.no_grad():
         out = model(emb, ts, offsets)
         torch.testing.assert_close(out.norm(dim=-1), torch.ones(len(emb)))
@@ -111,7 +104,7 @@ def padded_hstu(model: HSTU, emb, ts, lengths):
 def test_the_jagged_model_is_the_padded_computation(backend):
     model = HSTU(SMALL, attention_backend=backend).eval()
     lengths = torch.tensor([1, 3, 12, 5, 0, 7, 12, 2])
-    emb, ts, offsets = jagged_case(lengths.tolist(), seed=1)
+    emb, ts, offsets = sequence_batch(lengths.tolist(), seed=1)
     want = padded_hstu(model, padded(emb, lengths), padded(ts, lengths), lengths)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs interpreted on a CPU
     with torch.no_grad():
