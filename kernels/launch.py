@@ -18,6 +18,8 @@ device goes through Triton, which refuses it. The first launch of each key goes 
 Triton, which compiles; under the interpreter every launch does.
 Kernels launched here must not read globals that change after their first launch.
 """
+import functools
+
 import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
@@ -29,6 +31,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Trito
 # False: every launch goes through Triton's (for comparison, or a Triton whose compiled
 # kernels launch differently: here their launcher takes every parameter in order)
 DIRECT = hasattr(CompiledKernel, "__getitem__")
+CPU_MULTIPROCESSORS = 4  # what grids sized by multiprocessors take on a CPU (the interpreter)
 
 
 def _spec(arg) -> tuple:
@@ -69,6 +72,19 @@ def prepare(kernel, n_args: int, **kwargs) -> Prepared:
     if prepared is None:
         prepared = _prepared[key] = Prepared(kernel, n_args, kwargs)
     return prepared
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors, for grids sized to what runs at once; 4 on a CPU, where
+    the interpreter runs the programs."""
+    if device.type != "cuda":
+        return CPU_MULTIPROCESSORS
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def cdiv(n: int, d: int) -> int:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import cdiv, launch_each, next_power_of_2, prepare
+from ..launch import cdiv, launch_each, multiprocessors, next_power_of_2, prepare
 from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_NUM_COUNTED
 from .probe_kernels import (
     _DIGESTS, _HEADS, _KEYS, _MARKS, _MODE, _SCORES, _VALUES, _WAITS, K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN,
@@ -216,7 +216,8 @@ def _evict_lists(
     tl.store(head, tl.zeros(offs.shape, dtype=tl.int64), mask=live)
 
 
-@triton.jit(do_not_specialize=["call", "score_offset"])
+# n, the keys of a call, is not specialized on (see multi_table_kernels.py)
+@triton.jit(do_not_specialize=["call", "score_offset", "n"])
 def _claim_kernel(
     query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, out_ptr, call, counts_ptr, refuse_ptr,
     buf_ptr, row_dim, row_stride, score_offset, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
@@ -375,18 +376,8 @@ CLAIM_DIM_BLOCK = 64
 
 def resident_grid(blocks: int, device: torch.device, per_multiprocessor: int) -> tuple[int]:
     """A grid for kernels whose programs step through `blocks` blocks of work: at most
-    per_multiprocessor programs for each multiprocessor of the device (4 in all on a CPU,
-    where the interpreter runs them)."""
-    if device.type == "cuda":
-        programs = per_multiprocessor * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        programs = 4
-    return (max(1, min(blocks, programs)),)
-
-
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    per_multiprocessor programs for each multiprocessor of the device (launch.multiprocessors)."""
+    return (max(1, min(blocks, per_multiprocessor * multiprocessors(device))),)
 
 
 def claim(

@@ -7,6 +7,8 @@ lanes of one id lie together, then sums each segment's gradients and applies the
 optimizer in one pass. Also here: initial rows made in the kernel and per-table counting.
 
 Rows are addressed as packed (table << SLOT_BITS) | slot; tables through descriptors.
+The number of lanes, n, changes from call to call and is not specialized on: Triton would
+compile another kernel the first time a call's n is divisible by 16, mid-training.
 """
 import triton
 import triton.language as tl
@@ -60,7 +62,7 @@ def _init_rows_kernel(
                     tl.store(row[:, None] + cols[None, :], zero, mask=live[:, None] & (cols[None, :] < row_dim))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _gather_kernel(number_ptr, rows_ptr, n, desc_ptr, out_ptr, dim, row_stride, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr):
     """out[lane] = the embedding of the row of the lane's segment (rows[number[lane]]), for
     lanes whose id has a row (_fresh_rows_kernel does the others: apart, this kernel needs
@@ -77,7 +79,7 @@ def _gather_kernel(number_ptr, rows_ptr, n, desc_ptr, out_ptr, dim, row_stride, 
         tl.store(out_ptr + lane[:, None].to(tl.int64) * dim + cols[None, :], tl.load(row[:, None] + cols[None, :], mask=m), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _fresh_rows_kernel(
     number_ptr, rows_ptr, seg_key_ptr, seg_tid_ptr, n, rowless_ptr, seed_ptr, scale_ptr, out_ptr, dim,
     BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
@@ -101,7 +103,7 @@ def _fresh_rows_kernel(
                 tl.store(out_ptr + lane[:, None].to(tl.int64) * dim + cols[None, :], _initial_embedding(key, seed, scale, cols), mask=m)
 
 
-@triton.jit(do_not_specialize=["map_mask"])  # a mask of 1 would be a constant int, without .to
+@triton.jit(do_not_specialize=["map_mask", "n"])  # a mask of 1 would be a constant int, without .to
 def _distinct_kernel(key_ptr, tid_ptr, n, map_ptr, map_mask, taker_ptr, first_ptr, BLOCK: tl.constexpr):
     """taker[lane]: the first lane seen with the lane's (table, id), the one that took its
     slot in a scratch open-addressing map (map_ptr: map_mask + 1 int32 slots, zeroed
@@ -135,7 +137,7 @@ def _distinct_kernel(key_ptr, tid_ptr, n, map_ptr, map_mask, taker_ptr, first_pt
     tl.store(first_ptr + lane, (taker == lane).to(tl.int32), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _number_kernel(number_ptr, ranks_ptr, key_ptr, tid_ptr, n, seg_key_ptr, seg_tid_ptr, count_ptr, BLOCK: tl.constexpr):
     """Segments numbered densely, in the order of their takers (_distinct_kernel): on entry
     number[lane] is the lane's taker and ranks the running count of takers up to each
@@ -153,7 +155,7 @@ def _number_kernel(number_ptr, ranks_ptr, key_ptr, tid_ptr, n, seg_key_ptr, seg_
     tl.store(count_ptr + tl.zeros_like(lane), tl.load(ranks_ptr + lane, mask=last, other=0), mask=last)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _segments_kernel(seg_ptr, n, starts_ptr, partial_ptr, dim, LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr):
     """For lanes sorted by segment (seg: each sorted lane's): starts[s], the sorted
     position of segment s's first lane; the partial sum of a segment of more than LONG
@@ -188,7 +190,7 @@ def _grad_rows(table, grad_ptrs_ptr, lane_start_ptr, dim):
     return grads - tl.load(lane_start_ptr + table) * dim
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _long_segment_sum_kernel(
     order_ptr, seg_ptr, starts_ptr, rows_ptr, n, grad_ptrs_ptr, lane_start_ptr, partial_ptr, dim,
     LONG: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr,
@@ -218,7 +220,7 @@ def _long_segment_sum_kernel(
                 pending = pending & ~piece
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _segment_update_kernel(
     order_ptr, starts_ptr, rows_ptr, count_ptr, n, grad_ptrs_ptr, lane_start_ptr, partial_ptr, desc_ptr, dim, row_stride,
     lr, beta1, beta2, eps, weight_decay, max_norm,

@@ -62,7 +62,7 @@ class ShardedDynamicEmbeddingCollection:
     def lookup(self, ids: dict[str, torch.Tensor], train: bool = True) -> dict[str, torch.Tensor]:
         """(N_f, dim) rows for each feature's int64 ids (N_f,); a collective with several ranks."""
         if self.world_size == 1:
-            return self.local.lookup(ids, train) if len(self.tables) > 1 else {n: self.tables[n].lookup(x, train) for n, x in ids.items()}
+            return self.local.lookup(ids, train)
         self.local._check(ids)
         r = self._route(ids)
         self._routed = r
@@ -80,11 +80,7 @@ class ShardedDynamicEmbeddingCollection:
     def apply_gradients(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
         """One optimizer step per table in ids, with the mean of the ranks' gradients."""
         if self.world_size == 1:
-            if len(self.tables) > 1:
-                return self.local.apply_gradients(ids, grads)
-            for n, x in ids.items():
-                self.tables[n].apply_gradients(x, grads[n])
-            return
+            return self.local.apply_gradients(ids, grads)
         self.local._check(ids)
         if set(grads) != set(ids):
             raise KeyError(f"gradients for {sorted(grads)} but ids for {sorted(ids)}")

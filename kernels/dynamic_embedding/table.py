@@ -150,7 +150,12 @@ class ReferenceHashTable:
         return self.max_num_buckets * self.bucket_size
 
     def size(self) -> int:
-        return int((self.keys != EMPTY_KEY).sum())
+        return int(self.size_on_device())
+
+    def size_on_device(self) -> torch.Tensor:
+        """The number of stored keys as a () int64 tensor on the table's device (no wait
+        for the GPU until it is read)."""
+        return (self.keys != EMPTY_KEY).sum()
 
     def load_factor(self) -> float:
         return self.size() / self.capacity

@@ -77,11 +77,10 @@ def fusable(emb: DynamicEmbedding) -> bool:
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for the GPU (pinned, async copy)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+    """A small host list on the device without waiting for the GPU: a non-blocking copy
+    from pageable memory, which the driver stages before the call returns (pinning a
+    buffer first would cost more than the copy)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 @dataclass
@@ -169,8 +168,10 @@ class TableGroup:
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
-            tids = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes))
-            return tids.to(self.device), _to_device(bounds, torch.int64, self.device)
+            # repeated on the device from counts copied without waiting (sizes vary per call)
+            tables = torch.arange(len(sizes), dtype=torch.int32, device=self.device)
+            tids = torch.repeat_interleave(tables, _to_device(list(sizes), torch.int64, self.device), output_size=bounds[-1])
+            return tids, _to_device(bounds, torch.int64, self.device)
         return self._cached("lanes", sizes, make)
 
     def _table_scores(self) -> tuple[torch.Tensor, int]:
@@ -329,10 +330,12 @@ class TableGroup:
         used = torch.arange(slots.numel(), device=self.device) < r.count
         full = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
         full.index_add_(0, torch.where(used, r.tids, 0).long(), (used & (slots == -2)).long())
-        full = full.tolist()  # the one wait for the GPU, while some table can still grow
+        # per growing table: ids it had no slot for, and its size; read at the one wait for
+        # the GPU, while some table can still grow
+        checks = torch.stack([torch.stack([full[i], self.members[i].table.size_on_device()]) for i in growing]).tolist()
         grow = [
-            self.members[i].table for i in growing
-            if full[i] or self.members[i].table.size() > self.members[i].table.max_load_factor * self.members[i].table.capacity
+            self.members[i].table for i, (no_slot, size) in zip(growing, checks)
+            if no_slot or size > self.members[i].table.max_load_factor * self.members[i].table.capacity
         ]
         if not grow:
             return slots, inserted

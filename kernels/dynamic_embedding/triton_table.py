@@ -87,7 +87,7 @@ class TritonHashTable(ReferenceHashTable):
     def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor, return_evicted: bool = True):
         """As the reference's. Fast mode waits for the GPU once per call, to read the count
         of evicted rows and to refuse a batch holding the reserved key (the claim then
-        leaves the table as it was), or, below max capacity, to decide whether to grow.
+        leaves the table as it was), and below max capacity to decide whether to grow.
         At max capacity with return_evicted=False it does not wait: the reserved key is
         then not refused but never stored (slot -1), as in a collection's lookup."""
         if self.deterministic:
@@ -108,10 +108,12 @@ class TritonHashTable(ReferenceHashTable):
         )
         if mode == EVICT:
             n_lost, refused = torch.stack([evicted.sum(dtype=torch.int64), refused.long()]).tolist()
+        elif mode == GROW:  # ids without a slot in their bucket, or the load: grow
+            refused, no_slot, size = torch.stack([refused.long(), (slots == -2).any().long(), self.size_on_device()]).tolist()
         if bool(refused):
             raise reserved_key_error()
         if mode == GROW:
-            if bool((slots == -2).any()) or self.size() > self.max_load_factor * self.capacity:
+            if no_slot or size > self.max_load_factor * self.capacity:
                 self._grow()  # moves every row: look the whole batch up again
                 again, inserted_again, lost = self.find_or_insert(keys, scores, return_evicted)
                 return again, inserted | inserted_again, lost
