@@ -26,10 +26,13 @@ MFU divides TFLOP/s by the device's dense bf16 peak (PEAK_TFLOPS; none on a CPU)
 Prints a table and writes JSON to benchmarks/results/.
 """
 import argparse
+import contextlib
 import platform
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
@@ -37,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,6 +54,7 @@ from lightning_modules.train import precision_for  # noqa: E402
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16, SXM parts, by a word of the device name
 ML1M_LIKE_MAX_LEN = 2000  # the synthetic generator's longest sequence
 CATALOG = 1 << 20  # items of the uniform-length data
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's sync debug mode warning
 
 
 def step_flops(config, input_lengths: np.ndarray, negatives: int) -> float:
@@ -85,10 +90,17 @@ class StepTimer(L.Callback):
     one's kernels, as in training). The timed batches' lengths stay on the device until
     the end."""
 
-    def __init__(self, warmup: int, device: str, profiler=None):
+    def __init__(self, warmup: int, device: str, profiler=None, count_syncs: bool = False):
         self.warmup, self.device = warmup, device
         self.start, self.elapsed, self.steps, self.lengths = None, None, 0, []
         self.profiler = profiler  # torch.profiler over the timed steps, or None
+        # CUDA: torch warns at each operation of the timed steps that waits for the device;
+        # Triton's kernels compiled in the timed steps are listed too
+        self.count_syncs = count_syncs and device == "cuda"
+        self.compiled: list[str] = []
+
+    def _on_compile(self, fn, **_) -> None:
+        self.compiled.append(fn.name)
 
     def _sync(self):
         if self.device == "cuda":
@@ -99,6 +111,9 @@ class StepTimer(L.Callback):
             self._sync()
             if self.profiler is not None:
                 self.profiler.start()
+            if self.count_syncs:
+                torch.cuda.set_sync_debug_mode("warn")
+                triton.knobs.runtime.jit_post_compile_hook = self._on_compile
             self.start = time.perf_counter()
         elif trainer.global_step > self.warmup:
             self.lengths.append(batch["input_offsets"].diff())  # no read back until the end
@@ -106,6 +121,9 @@ class StepTimer(L.Callback):
             if trainer.global_step == trainer.max_steps:
                 self._sync()
                 self.elapsed = time.perf_counter() - self.start
+                if self.count_syncs:
+                    torch.cuda.set_sync_debug_mode("default")
+                    triton.knobs.runtime.jit_post_compile_hook = None
                 if self.profiler is not None:
                     self.profiler.stop()
 
@@ -114,9 +132,15 @@ class StepTimer(L.Callback):
         return [x.cpu().numpy() for x in self.lengths]
 
 
+def sync_sites(caught: list) -> Counter:
+    """Where the timed steps waited for the device: file:line of each synchronizing call
+    torch warned of, with its count."""
+    return Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message))
+
+
 def run(
     device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
-    cuda_graph_buckets: int | None = None,
+    cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2,
 ) -> dict:
     config = preset(preset_name).override(batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets)
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,26 +149,30 @@ def run(
             uniform_lengths_data(Path(tmp), users, config.max_seq_len, seed=0)
         else:
             users = prepare("synthetic", tmp, synthetic_users=users, seed=0)["users"]
-        data = SequenceDataModule(tmp, config.max_seq_len, config.batch_size, num_workers=2, random_windows=config.random_windows)
+        data = SequenceDataModule(tmp, config.max_seq_len, config.batch_size, num_workers=workers, random_windows=config.random_windows)
         catalog = data.catalog()
         module = HSTULightningModule(config, catalog)
         profiler = None
         if profile:
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
             profiler = torch.profiler.profile(activities=activities)
-        timer = StepTimer(warmup, device, profiler)
+        timer = StepTimer(warmup, device, profiler, count_syncs)
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[timer],
         )
-        trainer.fit(module, datamodule=data)
+        with warnings.catch_warnings(record=True) if timer.count_syncs else contextlib.nullcontext([]) as caught:
+            if timer.count_syncs:
+                warnings.simplefilter("always")
+            trainer.fit(module, datamodule=data)
     if profiler is not None:
         Path(profile).mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(Path(profile) / f"{preset_name}.json"))
         sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
         print(f"\n{preset_name}: the timed steps by {sort}\n" + profiler.key_averages().table(sort_by=sort, row_limit=30))
+    sites = sync_sites(caught)
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     lengths = timer.input_lengths()
     negatives = min(config.num_negatives, len(catalog))
@@ -154,12 +182,14 @@ def run(
     return {
         "device": device, "device_name": name, "threads": torch.get_num_threads(), "preset": preset_name,
         "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
-        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "users": users,
+        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "users": users, "workers": workers,
         "timed_steps": timer.steps, "seconds": timer.elapsed,
         "samples_per_s": sum(len(x) for x in lengths) / timer.elapsed,
         "positions_per_s": sum(int(x.sum()) for x in lengths) / timer.elapsed,
         "ms_per_step": 1000 * timer.elapsed / timer.steps, "TFLOPs": tflops, "MFU": tflops / peak if peak else None,
         "embedding_rows": module.items.item_table.stats().size, "torch": torch.__version__,
+        **({"syncs_per_step": sum(sites.values()) / timer.steps, "sync_sites": dict(sites.most_common()),
+            "compiled_in_timed_steps": timer.compiled} if timer.count_syncs else {}),
     }
 
 
@@ -171,13 +201,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int)
+    p.add_argument("--workers", type=int, default=2, help="data loader worker processes")
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
+    p.add_argument("--count-syncs", action="store_true", help="CUDA: count the timed steps' waits for the device by call site, and list Triton compilations in them (slows the steps)")
     p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops, write Chrome traces to DIR")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
     rows = [
-        run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets)
+        run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets, args.count_syncs,
+            args.workers)
         for name in args.preset
     ]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")
@@ -185,6 +218,10 @@ def main() -> None:
         mfu = f"{100 * r['MFU']:6.1f}%" if r["MFU"] is not None else f"{'-':>7}"
         print(f"{r['device_name'][:27]:<28}{r['preset']:<12}{r['batch_size']:>6}{r['samples_per_s']:>12.1f}"
               f"{r['positions_per_s']:>14.0f}{r['ms_per_step']:>10.1f}{r['TFLOPs']:>9.2f}{mfu}")
+    for r in rows:
+        if "syncs_per_step" in r:
+            print(f"\n{r['preset']}: {r['syncs_per_step']:.1f} waits for the device per step; by site: {r['sync_sites']}; "
+                  f"kernels compiled in the timed steps: {r['compiled_in_timed_steps']}")
     write_results("train_throughput", rows, args.out, device=args.device)
 
 

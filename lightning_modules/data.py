@@ -81,25 +81,43 @@ def jagged_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torc
     }
 
 
-PACKED, LAYOUT = "packed", "layout"  # a packed batch's keys
+class PackedBatch:
+    """jagged_batch's arrays as one int64 array, with their names and sizes. A data loader's
+    worker hands it to the main process as pickled bytes: a tensor would go as a shared
+    memory file descriptor, passed over a connection the main process opens to the worker
+    for each batch, which costs the main process more than the batch's whole collation.
+    The loader's pinning thread makes it a pinned tensor (pin_memory), Lightning moves it
+    to the device in one copy (to), and `unpacked` gives the jagged batch back there."""
+
+    def __init__(self, values: np.ndarray | torch.Tensor, layout: tuple):
+        self.values, self.layout = values, layout  # layout: (name, size) per array, in order
+
+    def _tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.values) if isinstance(self.values, np.ndarray) else self.values
+
+    def pin_memory(self, device=None) -> "PackedBatch":
+        return PackedBatch(self._tensor().pin_memory(), self.layout)
+
+    def to(self, device, non_blocking: bool | None = None) -> "PackedBatch":
+        """On `device`; the copy from pinned memory does not block unless non_blocking=False."""
+        t = self._tensor()
+        return PackedBatch(t.to(device, non_blocking=t.is_pinned() if non_blocking is None else non_blocking), self.layout)
+
+    def unpacked(self) -> dict[str, torch.Tensor]:
+        """The jagged batch (views of the packed tensor, wherever it lies)."""
+        names, sizes = zip(*self.layout)
+        return dict(zip(names, self._tensor().split(list(sizes))))
 
 
-def packed_jagged_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> dict:
-    """jagged_batch's tensors in one int64 tensor, with their names and sizes: a data
-    loader's worker then hands the main process one shared tensor, not six (each costs
-    the main process a round trip to the worker), and the batch moves to the device in one
-    copy. `unpacked` gives the jagged batch back."""
+def packed_jagged_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> PackedBatch:
+    """jagged_batch of samples as a PackedBatch."""
     batch = jagged_batch(samples)
-    return {PACKED: torch.cat([t.reshape(-1) for t in batch.values()]), LAYOUT: tuple((k, t.numel()) for k, t in batch.items())}
+    return PackedBatch(np.concatenate([t.numpy().reshape(-1) for t in batch.values()]), tuple((k, t.numel()) for k, t in batch.items()))
 
 
-def unpacked(batch: dict) -> dict[str, torch.Tensor]:
-    """The jagged batch of a packed one (views of its tensor, wherever that lies); any
-    other batch as it is."""
-    if PACKED not in batch:
-        return batch
-    names, sizes = zip(*batch[LAYOUT])
-    return dict(zip(names, batch[PACKED].split(list(sizes))))
+def unpacked(batch) -> dict[str, torch.Tensor]:
+    """The jagged batch of a PackedBatch; any other batch as it is."""
+    return batch.unpacked() if isinstance(batch, PackedBatch) else batch
 
 
 def padded(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
