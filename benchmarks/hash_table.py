@@ -23,6 +23,8 @@ Per call:
 - insert_or_assign: with the keys' values, evicted rows dropped.
 - ..._returning_evicted: the same calls returning the rows they evict (the default; the
   call waits for the GPU once to learn how many).
+- insert_and_evict: insert_or_assign returning the evicted rows in buffers the caller
+  keeps, with their count on the device, as HierarchicalKV's call of that name: no wait.
 - export: every stored row (keys, values, scores); keys/s = rows exported per second.
 The table runs in its default fast mode; find_or_insert and insert_or_assign are also
 timed in deterministic mode (rows "..._deterministic", returning evicted rows).
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_path import write_results  # noqa: E402
 
+from kernels.dynamic_embedding.table import EvictedBuffers  # noqa: E402
 from kernels.dynamic_embedding.triton_table import TritonHashTable  # noqa: E402
 
 BATCH = 1 << 20
@@ -53,6 +56,8 @@ CAPACITY = {8: 128 << 20, 64: 64 << 20, 128: 32 << 20}
 HKV_H100 = {  # HierarchicalKV's published H100 figures, 2**30 keys/s (λ 0.5, 1.0)
     (64, "find"): (3.12, 3.28), (64, "find_or_insert"): (1.49, 1.09), (64, "insert_or_assign"): (1.54, 1.14),
     (128, "find"): (2.35, 2.29), (128, "find_or_insert"): (1.17, 0.98), (128, "insert_or_assign"): (1.18, 0.93),
+    # insert_and_evict, measured on one H100 lease beside this benchmark (issue 27)
+    (64, "insert_and_evict"): (1.24, 0.73), (128, "insert_and_evict"): (1.00, 0.63),
 }
 
 
@@ -133,6 +138,7 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
         fill(table, load_factor, gen)
 
     out = torch.empty(BATCH, dim, device="cuda")
+    evicted = EvictedBuffers.allocate(BATCH, dim, torch.float32, "cuda")  # kept from call to call, as HKV's caller does
     rows = torch.randn(BATCH, dim, device="cuda", generator=gen)
 
     def find(k):
@@ -165,6 +171,7 @@ def run(dim: int, load_factor: float, scale: float, reps: int) -> list[dict]:
         "insert_or_assign": both(insert_or_assign, scored, forget),
         "find_or_insert_returning_evicted": both(lambda k, s: find_or_insert(k, s, True), refilled, forget),
         "insert_or_assign_returning_evicted": both(lambda k, s: insert_or_assign(k, s, True), scored, forget),
+        "insert_and_evict": both(lambda k, s: table.insert_and_evict(k, rows, s, evicted), scored, forget),
     }
     table.deterministic = True
     results |= {

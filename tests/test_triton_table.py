@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, ReferenceHashTable
+from kernels.dynamic_embedding.table import EvictedBuffers
 from kernels.dynamic_embedding.triton_table import TritonHashTable
 from kernels.dynamic_embedding.hashing import EMPTY_KEY, bucket_of, hash64
 
@@ -466,3 +467,85 @@ def test_fast_inserts_that_do_not_wait_move_rows_right(batches):
             else:
                 assert row in copies[key], f"row of key {key} is none of its copies'"
         assert set(after) >= set(keys[slots >= 0].tolist())
+
+
+def stored_entries(table) -> dict:
+    keys, values, scores = table.export()
+    return {k: (tuple(r), s) for k, r, s in zip(keys.tolist(), values.tolist(), scores.tolist())}
+
+
+@pytest.mark.parametrize("kind", ["reference", "deterministic", "fast"])
+@settings(max_examples=10, deadline=None)
+@given(batches=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2**31 - 1)), min_size=1, max_size=8))
+def test_insert_and_evict_returns_every_row_it_pushes_out(kind, batches):
+    """insert_and_evict at max capacity, with duplicated keys, int64 extremes and the
+    reserved key (skipped, never stored): the keys stored before the call and gone after
+    it are exactly the first `count` evicted entries, each with the row and score it had;
+    the call's stored keys hold one of their copies' rows; other rows are unchanged.
+    Buffers too small for the call are refused."""
+    kw = dict(row_dim=3, capacity=32 * SCALE, max_capacity=32 * SCALE, bucket_size=8, device=DEVICE)
+    table = ReferenceHashTable(**kw) if kind == "reference" else TritonHashTable(**kw, deterministic=kind == "deterministic")
+    for step, (n, seed) in enumerate(batches, start=1):
+        keys, rows, _ = batch(n * SCALE, seed, 3, key_range=40 * SCALE)
+        if seed % 5 == 0 and n:
+            keys[n // 2] = EMPTY_KEY
+        before = stored_entries(table)
+        kept = EvictedBuffers.allocate(40 * SCALE, 3, torch.float32, DEVICE) if step == 1 else kept
+        # every other call into buffers kept from call to call (their count starts again)
+        out = table.insert_and_evict(keys, rows, torch.full_like(keys, step), kept if step % 2 else None)
+        assert out.count.shape == (1,) and out.count.dtype == torch.int64 and out.count.device == keys.device
+        e = int(out.count)
+        after = stored_entries(table)
+        evicted = out.keys[:e].tolist()
+        assert len(set(evicted)) == e and set(evicted) == set(before) - set(after)
+        for key, row, score in zip(evicted, out.rows[:e].tolist(), out.scores[:e].tolist()):
+            assert (tuple(row), score) == before[key]
+        assert EMPTY_KEY not in after
+        copies: dict = {}
+        for key, row in zip(keys.tolist(), map(tuple, rows.tolist())):
+            copies.setdefault(key, set()).add(row)
+        for key, (row, _) in after.items():
+            assert row in copies[key] if key in copies else row == before[key][0], f"row of key {key}"
+    keys = torch.arange(2, device=DEVICE)
+    with pytest.raises(ValueError, match="needs 2"):
+        table.insert_and_evict(keys, torch.zeros(2, 3, device=DEVICE), keys, EvictedBuffers.allocate(1, 3, torch.float32, DEVICE))
+
+
+@pytest.mark.parametrize("n", [0, 1, 300, 1000])
+def test_gather_victims_matches_its_reference(n):
+    """gather_victims against its PyTorch twin on fresh random lanes, appending after
+    entries already counted: the same count, and the same (key, score, row) entries
+    (blocks of lanes may take their runs in another order)."""
+    from kernels.dynamic_embedding.slot_kernels import gather_victims, gather_victims_reference
+    g = torch.Generator().manual_seed(n)
+    values = torch.randn(64, 5, generator=g).to(DEVICE)[:, :3]  # rows of stride 5, 3 used
+    evicted = (torch.rand(n, generator=g) < 0.4).to(DEVICE)
+    slots = torch.randint(0, 64, (n,), generator=g).to(DEVICE)
+    victim_keys, victim_scores = torch.randint(-(2**63), 2**63 - 1, (2, n), generator=g).to(DEVICE)
+    outs = []
+    for fn in (gather_victims, gather_victims_reference):
+        keys, scores = torch.full((n + 4,), 7, device=DEVICE), torch.full((n + 4,), 7, device=DEVICE)
+        rows = torch.full((n + 4, 3), 7.0, device=DEVICE)
+        count = torch.tensor([4], device=DEVICE)  # four entries already there
+        fn(evicted, slots, victim_keys, victim_scores, values, keys, scores, rows, count)
+        e = int(count)
+        assert e == 4 + int(evicted.sum())
+        assert torch.equal(keys[:4], torch.full((4,), 7, device=DEVICE))  # entries before the count are kept
+        outs.append(sorted(zip(keys[4:e].tolist(), scores[4:e].tolist(), map(tuple, rows[4:e].tolist()))))
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="only a GPU has waits to count")
+def test_fast_insert_and_evict_never_waits_for_the_gpu():
+    t = TritonHashTable(row_dim=4, capacity=1024, max_capacity=1024, bucket_size=8, device=DEVICE, deterministic=False)
+    kept = EvictedBuffers.allocate(4096, 4, torch.float32, DEVICE)
+    t.insert_and_evict(torch.arange(4096, device=DEVICE), torch.ones(4096, 4, device=DEVICE), torch.zeros(4096, dtype=torch.int64, device=DEVICE))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 4):
+            keys = torch.arange(4096 * step, 4096 * (step + 1), device=DEVICE)
+            t.insert_and_evict(keys, torch.ones(4096, 4, device=DEVICE), torch.full_like(keys, step), kept)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(kept.count) > 0

@@ -169,3 +169,65 @@ def copy_rows(
         DST_SLOTS=dst_slots is not None, WHOLE=whole_rows, ELECT=marks is not None, BLOCK=FIND_BLOCK,
         DIM_BLOCK=min(128, next_power_of_2(dst.stride(0))), num_warps=FIND_WARPS,
     )
+
+
+VICTIM_BLOCK = 256  # lanes per program of gather_victims: one atomic add per program
+
+
+@triton.jit
+def _gather_victims_kernel(
+    evicted_ptr, slot_ptr, victim_key_ptr, victim_score_ptr, values_ptr, row_stride, n, row_dim,
+    out_key_ptr, out_score_ptr, out_row_ptr, count_ptr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """For the lanes of a block whose slot held a victim (evicted): one atomic add on the
+    count reserves the block's run of entries, which take the victims' keys, scores and
+    rows (values[slot], still the victim's) in lane order."""
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lanes < n
+    ev = live & (tl.load(evicted_ptr + lanes, mask=live, other=0) != 0)
+    many = tl.sum(ev.to(tl.int64), axis=0)
+    if many > 0:
+        at = tl.atomic_add(count_ptr, many, sem="relaxed") + tl.cumsum(ev.to(tl.int64), axis=0) - 1
+        tl.store(out_key_ptr + at, tl.load(victim_key_ptr + lanes, mask=ev, other=0), mask=ev)
+        tl.store(out_score_ptr + at, tl.load(victim_score_ptr + lanes, mask=ev, other=0), mask=ev)
+        slot = tl.load(slot_ptr + lanes, mask=ev, other=0)
+        for c in range(0, row_dim, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            m = ev[:, None] & (cols[None, :] < row_dim)
+            row = tl.load(values_ptr + slot[:, None] * row_stride + cols[None, :], mask=m)
+            tl.store(out_row_ptr + at[:, None] * row_dim + cols[None, :], row, mask=m)
+
+
+def gather_victims(
+    evicted: torch.Tensor, slots: torch.Tensor, victim_keys: torch.Tensor, victim_scores: torch.Tensor, values: torch.Tensor,
+    out_keys: torch.Tensor, out_scores: torch.Tensor, out_rows: torch.Tensor, count: torch.Tensor,
+) -> None:
+    """Appends the victims of a claim's lanes (evicted (N,) bool; slots, victim_keys,
+    victim_scores (N,) as claim returns them) to out_keys, out_scores and out_rows (the
+    victims' rows of values, (capacity, row_dim) with unit column stride) from entry
+    count[0] on, and adds their number to count (a (1,) int64). Blocks of lanes take
+    their entries in the order they reach the count; a block's victims are in lane order.
+    No wait for the GPU."""
+    n = evicted.numel()
+    if n == 0:
+        return
+    row_dim = out_rows.shape[1]
+    launch(
+        _gather_victims_kernel, _grid(n, VICTIM_BLOCK),
+        evicted.view(torch.int8), slots, victim_keys, victim_scores, values, values.stride(0), n, row_dim,
+        out_keys, out_scores, out_rows, count, BLOCK=VICTIM_BLOCK, DIM_BLOCK=min(128, next_power_of_2(row_dim)),
+    )
+
+
+def gather_victims_reference(
+    evicted: torch.Tensor, slots: torch.Tensor, victim_keys: torch.Tensor, victim_scores: torch.Tensor, values: torch.Tensor,
+    out_keys: torch.Tensor, out_scores: torch.Tensor, out_rows: torch.Tensor, count: torch.Tensor,
+) -> None:
+    """gather_victims in PyTorch, the victims in lane order."""
+    lanes = evicted.nonzero().squeeze(1)
+    start = int(count)
+    end = start + lanes.numel()
+    out_keys[start:end] = victim_keys[lanes]
+    out_scores[start:end] = victim_scores[lanes]
+    out_rows[start:end] = values[slots[lanes]]
+    count += lanes.numel()

@@ -89,6 +89,33 @@ class Evicted:
         )
 
 
+@dataclass
+class EvictedBuffers:
+    """insert_and_evict's evicted rows, in buffers of one entry per key of the call: the
+    first `count` entries are the evicted keys, rows and scores, the rest undefined.
+    count: (1,) int64 on the table's device, so that no caller waits for the GPU to
+    learn it (HierarchicalKV's insert_and_evict returns its count the same way)."""
+
+    keys: torch.Tensor  # (N,) int64
+    rows: torch.Tensor  # (N, row_dim)
+    scores: torch.Tensor  # (N,) int64
+    count: torch.Tensor  # (1,) int64
+
+    @staticmethod
+    def allocate(n: int, row_dim: int, dtype: torch.dtype, device) -> "EvictedBuffers":
+        return EvictedBuffers(
+            torch.empty(n, dtype=torch.int64, device=device),
+            torch.empty(n, row_dim, dtype=dtype, device=device),
+            torch.empty(n, dtype=torch.int64, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device),
+        )
+
+    def evicted(self) -> Evicted:
+        """The evicted rows as an Evicted (reads the count: waits for the GPU)."""
+        e = int(self.count)
+        return Evicted(self.keys[:e], self.rows[:e], self.scores[:e])
+
+
 class ReferenceHashTable:
     """Bucketed int64 → row table in plain PyTorch (CPU or CUDA); the test oracle."""
 
@@ -257,6 +284,33 @@ class ReferenceHashTable:
         ok = slots != MISSING
         self.values[slots[ok]] = rows.to(self.device, self.dtype)[last][ok]
         return evicted
+
+    def insert_and_evict(
+        self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, out: EvictedBuffers | None = None
+    ) -> EvictedBuffers:
+        """insert_or_assign, its evicted rows returned in buffers with their count on the
+        device (EvictedBuffers): `out`'s, of at least N entries (a caller calling often
+        keeps them), or new ones. The reserved key is skipped, not refused: refusing it
+        would take a wait for the GPU, which this call exists to avoid."""
+        keys = keys.to(self.device, torch.int64).reshape(-1)
+        out = self._evicted_buffers(keys.numel(), out)
+        kept = keys != EMPTY_KEY
+        lost = self.insert_or_assign(keys[kept], rows.to(self.device)[kept], scores.to(self.device)[kept])
+        e = lost.keys.numel()
+        out.keys[:e], out.rows[:e], out.scores[:e] = lost.keys, lost.rows, lost.scores
+        out.count.fill_(e)
+        return out
+
+    def _evicted_buffers(self, n: int, out: EvictedBuffers | None) -> EvictedBuffers:
+        """`out` checked, its count zeroed; or new buffers of n entries."""
+        if out is None:
+            return EvictedBuffers.allocate(n, self.row_dim, self.dtype, self.device)
+        if out.keys.shape[0] < n or out.scores.shape[0] < n or out.rows.shape[0] < n or out.rows.shape[1:] != (self.row_dim,):
+            raise ValueError(f"out holds {out.keys.shape[0]} entries of rows {tuple(out.rows.shape[1:])}: the call needs {n} of ({self.row_dim},)")
+        if out.rows.dtype != self.dtype or not out.rows.is_contiguous() or out.count.shape != (1,):
+            raise ValueError("out.rows must be contiguous rows of the table's dtype and out.count a (1,) int64 tensor")
+        out.count.zero_()
+        return out
 
     def assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Overwrites the rows (and scores, if given) of keys already stored, last copy

@@ -30,9 +30,9 @@ from .probe_kernels import (
     ROW_ALIGN, _grid, probe,
 )
 from .slot_kernels import (
-    _choose_slots_kernel, _count_kernel, _export_kernel, _release_slots_kernel, _write_slots_kernel, copy_rows,
+    _choose_slots_kernel, _count_kernel, _export_kernel, _release_slots_kernel, _write_slots_kernel, copy_rows, gather_victims,
 )
-from .table import MISSING, Evicted, ReferenceHashTable, reserved_key_error
+from .table import MISSING, Evicted, EvictedBuffers, ReferenceHashTable, reserved_key_error
 
 
 class TritonHashTable(ReferenceHashTable):
@@ -179,6 +179,26 @@ class TritonHashTable(ReferenceHashTable):
         # lanes not stored (slot -1) skip; of a duplicated key's copies one writes
         copy_rows(rows, None, self.values, slots, self.row_dim, self.host_rows, marks=self._marks)
         return evicted
+
+    def insert_and_evict(
+        self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, out: EvictedBuffers | None = None
+    ) -> EvictedBuffers:
+        """As the reference's. In fast mode without growth it never waits for the GPU: the
+        claim marks the lanes whose slot held a victim, whose keys, scores and rows
+        gather_victims appends to the buffers, counting them on the device, before the
+        new rows overwrite them."""
+        if self.deterministic or self.insert_mode == GROW:
+            return super().insert_and_evict(keys, rows, scores, out)
+        rows = rows.to(self.device, self.dtype).contiguous()
+        self._check_buffer(rows, keys.numel())
+        keys, scores = self._claim_input(keys, scores)
+        out = self._evicted_buffers(keys.numel(), out)
+        if keys.numel():
+            slots, _, evicted, victim_keys, victim_scores = claim(self._descriptor, keys, scores, self.bucket_size)
+            gather_victims(evicted, slots, victim_keys, victim_scores, self.values, out.keys, out.scores, out.rows, out.count)
+            # lanes not stored (slot -1) skip; of a duplicated key's copies one writes
+            copy_rows(rows, None, self.values, slots, self.row_dim, self.host_rows, marks=self._marks)
+        return out
 
     def _new_values(self, capacity: int) -> torch.Tensor:
         # rows padded to a multiple of ROW_ALIGN elements: aligned rows load in wide vectors
