@@ -6,19 +6,50 @@ each lane gathers its segment's row. The update sorts the lanes by segment, so t
 lanes of one id lie together, then sums each segment's gradients and applies the
 optimizer in one pass. Also here: initial rows made in the kernel and per-table counting.
 
+Each operation is one launcher at the end of this file (a kernel or a few), as
+table_group.py calls it; multi_table_reference.py holds its PyTorch twin, with the same
+signature, and tests/test_multi_table_kernels.py holds the two against each other.
+
 Rows are addressed as packed (table << SLOT_BITS) | slot; tables through descriptors.
 The number of lanes, n, changes from call to call and is not specialized on: Triton would
 compile another kernel the first time a call's n is divisible by 16, mid-training.
 """
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
-from .triton_optimizers import _load_rows, _step_rows
+from ..launch import cdiv, launch, next_power_of_2
+from .claim_kernels import resident_grid
+from .triton_optimizers import _load_rows, _step_rows, optimizer_args
 from .counters import K_ADMISSION_REJECTIONS, K_ADMISSIONS, K_HITS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
 from .probe_kernels import K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, _field, _hash
 
 SLOT_BITS = tl.constexpr(40)  # packed (table, slot): the slot's bits
-SLOT_MASK = tl.constexpr((1 << 40) - 1)
+SLOT_MASK = tl.constexpr((1 << SLOT_BITS.value) - 1)
+
+LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most skip), ids per embedding tile
+GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
+FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
+SCAN_BLOCK = 1024  # lanes or segments per program of the elementwise kernels (numbering, rows, counting)
+# lanes per program of the numbering by distinct id, and its warps
+DISTINCT_BLOCK, DISTINCT_WARPS = 32, 1
+SEGMENTS_BLOCK = 256  # sorted lanes per program of finding where segments start
+# lanes of one row beyond which the update sums them across programs first (fewer doubles
+# the partial sums' memory for no gain)
+LONG_SEGMENT = 8
+# sorted lanes per program of the sum of long segments, and its warps: one warp sums a
+# tile's lanes in registers
+SUM_TILE, SUM_WARPS = 32, 1
+# programs of the sum of long segments per multiprocessor, stepping through the tiles
+SUM_PROGRAMS = 64
+# embedding values per program of the update (rows: this / dim), and its warps
+UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4
+# programs of the update per multiprocessor, stepping through the segments' blocks (a grid
+# sized for the lanes leaves most programs without segments)
+UPDATE_PROGRAMS = 64
+# (the measurements behind these: benchmarks/embedding_tuning.md)
 
 
 @triton.jit
@@ -332,3 +363,136 @@ def _admit_kernel(
                 tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_ADMISSIONS, took, sem="relaxed")
                 tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_ADMISSION_REJECTIONS, left, sem="relaxed")
                 tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_REJECTIONS, -left, sem="relaxed")
+
+
+# ---- the operations, as table_group.py calls them (twins: multi_table_reference.py) -------
+
+@dataclass
+class TableStack:
+    """Tables addressed together: desc, their descriptors stacked (what the kernels read);
+    tables, the same tables in the same order (what the twins read)."""
+
+    desc: torch.Tensor
+    tables: list
+
+
+@dataclass
+class Gradients:
+    """A group's gradients: tensors, each member's (lanes, dim) float32 rows, contiguous;
+    ptrs, their addresses on the device (what the kernels read); lane_bounds, where each
+    member's lanes begin in the group's lane order (T + 1 values)."""
+
+    tensors: list
+    ptrs: torch.Tensor
+    lane_bounds: torch.Tensor
+
+
+def number_segments(keys: torch.Tensor, tids: torch.Tensor):
+    """Numbers N lanes (keys, of tables tids) by segment, one per distinct (table, id):
+    (number (N,) int32, count (1,) int32, seg_keys, seg_tids, rows, rowless). The per-
+    segment tensors have N entries, the first count[0] used; rows (N,) int64 and rowless
+    (1,) int32, zeroed, are segment_rows' outputs, allocated with the others (each
+    allocation costs host time the device waits for). A segment's number is the rank of
+    its taker, the lane that took its slot in a scratch map (_distinct_kernel)."""
+    n = keys.numel()
+    size = next_power_of_2(2 * n)  # the map at most half full
+    scratch = torch.zeros(size + 2, dtype=torch.int32, device=keys.device)
+    count, rowless = scratch[size : size + 1], scratch[size + 1 : size + 2]
+    number, first = torch.empty(2, n, dtype=torch.int32, device=keys.device).unbind()
+    launch(
+        _distinct_kernel, (cdiv(n, DISTINCT_BLOCK),),
+        keys, tids, n, scratch, size - 1, number, first, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
+    )
+    ranks = torch.cumsum(first, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
+    seg_keys, seg_tids, rows = torch.empty(3, n, dtype=torch.int64, device=keys.device).unbind()
+    launch(_number_kernel, (cdiv(n, SCAN_BLOCK),), number, ranks, keys, tids, n, seg_keys, seg_tids, count, BLOCK=SCAN_BLOCK)
+    return number, count, seg_keys, seg_tids, rows, rowless
+
+
+def segment_rows(seg_tids, slots, count, rows, rowless, counts, inserting, counted: bool | None) -> None:
+    """rows[s]: the packed row (table << SLOT_BITS | slot) of each of the count[0] segments
+    at slots[s] in its table, -1 where none; rowless[0] set if some segment has none.
+    counted True / False (a training lookup or not): also adds the lookup to counts (T,
+    NUM_COUNTED): lookups, hits, and when training ids without a row as rejections of
+    tables that insert (inserting[t]); None: nothing is counted."""
+    launch(
+        _segment_rows_kernel, (cdiv(slots.numel(), SCAN_BLOCK),),
+        seg_tids, slots, count, rows, rowless, counts, inserting, counts.shape[0],
+        BLOCK=SCAN_BLOCK, COUNT=counted is not None, TRAIN=bool(counted),
+    )
+
+
+def init_rows(keys, tids, slots, inserted, count, stack: TableStack, seeds, scales, dim: int) -> None:
+    """The rows of the segments (of count[0]) a claim inserted: their initial embedding
+    (seeds[t], scales[t] of their table), then zeros to the row's end."""
+    n = keys.numel()
+    table = stack.tables[0]
+    launch(
+        _init_rows_kernel, (cdiv(n, LANE_BLOCK),),
+        keys, tids, slots, inserted.view(torch.int8), count, stack.desc, seeds, scales, dim, table.row_dim, table.row_stride,
+        BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, next_power_of_2(dim)),
+    )
+
+
+def gather_embeddings(number, rows, seg_keys, seg_tids, rowless, stack: TableStack, seeds, scales, out) -> None:
+    """out (N, dim)[lane] = the embedding of the row of the lane's segment, or where the
+    segment has none (rowless[0] is then set) its id's initial embedding: two kernels, the
+    second a no-op unless rowless."""
+    n, dim = out.shape
+    dim_block = min(128, next_power_of_2(dim))
+    launch(
+        _gather_kernel, (cdiv(n, GATHER_BLOCK),),
+        number, rows, n, stack.desc, out, dim, stack.tables[0].row_stride, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
+        num_warps=GATHER_WARPS,
+    )
+    launch(
+        _fresh_rows_kernel, resident_grid(cdiv(n, GATHER_BLOCK), out.device, FRESH_PROGRAMS),
+        number, rows, seg_keys, seg_tids, n, rowless, seeds, scales, out, dim, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
+        num_warps=GATHER_WARPS,
+    )
+
+
+def admit(keys, tids, slots, found, counted, uses, count, admits, thresholds, counter_stack: TableStack, counts):
+    """Admission of the count[0] segments (_admit_kernel): (claim_keys, seen, refused), N
+    entries each. A segment without a row in a table that admits is new; its count is
+    counted (its counter row's score, found its slot there) plus uses; at the table's
+    threshold it is admitted and its counter slot emptied, below it refused (claim_key:
+    its id, for the claim that stores the counts; else the reserved key). counts: per
+    table admissions, admission rejections, and rejections less the refused ids."""
+    n = keys.numel()
+    claim_keys, seen = torch.empty(2, n, dtype=torch.int64, device=keys.device).unbind()
+    refused = torch.empty(n, dtype=torch.bool, device=keys.device)
+    launch(
+        _admit_kernel, (cdiv(n, SCAN_BLOCK),),
+        keys, tids, slots, found, counted, uses, count, n, admits, thresholds, counter_stack.desc,
+        counts, claim_keys, seen, refused.view(torch.int8), counts.shape[0], BLOCK=SCAN_BLOCK,
+    )
+    return claim_keys, seen, refused
+
+
+def update_segments(number, rows, count, grads: Gradients, stack: TableStack, dim: int, optimizer) -> None:
+    """One optimizer step for each of the count[0] segments that has a row, with the sum of
+    its lanes' gradients: the lanes sorted by segment (stable: a segment's gradients are
+    summed in lane order, long segments' tails first into partial sums), then summed and
+    applied in one kernel."""
+    n = number.numel()
+    device = number.device
+    seg, order = torch.sort(number, stable=True)
+    starts = torch.empty(n, dtype=torch.int64, device=device)
+    partial = torch.empty(n // LONG_SEGMENT + 1, dim, dtype=torch.float32, device=device)
+    dim_block = next_power_of_2(dim)
+    launch(
+        _segments_kernel, (cdiv(n, SEGMENTS_BLOCK),), seg, n, starts, partial, dim, LONG=LONG_SEGMENT, BLOCK=SEGMENTS_BLOCK, DIM=dim_block,
+    )
+    block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
+    launch(
+        _long_segment_sum_kernel, resident_grid(cdiv(n, SUM_TILE), device, SUM_PROGRAMS),
+        order, seg, starts, rows, n, grads.ptrs, grads.lane_bounds, partial, dim,
+        LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
+    )
+    launch(
+        _segment_update_kernel, resident_grid(cdiv(n, block), device, UPDATE_PROGRAMS),
+        order, starts, rows, count, n, grads.ptrs, grads.lane_bounds, partial, stack.desc, dim,
+        stack.tables[0].row_stride, **optimizer_args(optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
+        num_warps=UPDATE_WARPS,
+    )

@@ -26,15 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..launch import cdiv, launch, next_power_of_2
 from .embedding import STEP_POLICIES, DynamicEmbedding, epoch_use_score
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import (
-    _admit_kernel, _distinct_kernel, _fresh_rows_kernel, _gather_kernel, _init_rows_kernel, _long_segment_sum_kernel, _number_kernel,
-    _segment_rows_kernel, _segment_update_kernel, _segments_kernel,
+    Gradients, TableStack, admit, gather_embeddings, init_rows, number_segments, segment_rows, update_segments,
 )
-from .triton_optimizers import optimizer_args
-from .claim_kernels import claim, resident_grid
+from .claim_kernels import claim
 from .probe_kernels import GROW, READ_ONLY, probe
 from .triton_table import TritonHashTable
 
@@ -42,26 +39,6 @@ from .triton_table import TritonHashTable
 # the others (lfu, epoch_lfu, custom) score each id: see TableGroup._key_scores
 TABLE_SCORED = STEP_POLICIES
 MAX_GROUP = 127  # tables per group (the statistics kernel loops over a group's tables)
-LANE_BLOCK, LANE_SUB = 256, 16  # ids per program of row initialisation (most skip), ids per embedding tile
-GATHER_BLOCK, GATHER_WARPS = 16, 4  # lanes per program of the gather, and its warps
-FRESH_PROGRAMS = 8  # per multiprocessor, of the initial embeddings of ids without a row
-SCAN_BLOCK = 1024  # lanes or segments per program of the elementwise kernels (numbering, rows, counting)
-# lanes per program of the numbering by distinct id, and its warps
-DISTINCT_BLOCK, DISTINCT_WARPS = 32, 1
-# lanes of one row beyond which the update sums them across programs first (fewer doubles
-# the partial sums' memory for no gain)
-LONG_SEGMENT = 8
-# sorted lanes per program of the sum of long segments, and its warps: one warp sums a
-# tile's lanes in registers
-SUM_TILE, SUM_WARPS = 32, 1
-# programs of the sum of long segments per multiprocessor, stepping through the tiles
-SUM_PROGRAMS = 64
-# embedding values per program of the update (rows: this / dim), and its warps
-UPDATE_ELEMENTS, UPDATE_WARPS = 1024, 4
-# programs of the update per multiprocessor, stepping through the segments' blocks (a grid
-# sized for the lanes leaves most programs without segments)
-UPDATE_PROGRAMS = 64
-# (the measurements behind these: benchmarks/embedding_tuning.md)
 
 
 STEP_SCORED, LFU, EPOCH_LFU, CUSTOM = 0, 1, 2, 3  # how a member scores ids (device codes)
@@ -156,10 +133,10 @@ class TableGroup:
     def _placements(self) -> tuple:
         return tuple(m.table.placements for m in self.members)
 
-    def _descriptors(self) -> torch.Tensor:
-        return self._cached("desc", self._storage(), lambda: torch.stack([
+    def _stack(self) -> TableStack:
+        return self._cached("desc", self._storage(), lambda: TableStack(torch.stack([
             m.table.descriptor(READ_ONLY if m.config.read_only else None) for m in self.members
-        ]))
+        ]), [m.table for m in self.members]))
 
     def _lanes(self, sizes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """For these per-table counts: the table of each lane, and where each table's lanes
@@ -195,7 +172,7 @@ class TableGroup:
         valid = torch.arange(n, device=self.device) < r.count
         tids = torch.where(valid, r.tids, 0)  # segments past the count: table 0's (never written)
         old = torch.zeros(n, dtype=torch.int64, device=self.device) if self.counting else None  # lfu scores read them
-        slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
+        slots = probe(self._stack().desc, r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
         uses = torch.zeros(n, dtype=torch.int64, device=self.device)
         uses.index_add_(0, r.number.long(), torch.ones_like(r.number, dtype=torch.int64))  # bincount waits for the GPU
         return _Stored(tids, slots, old, uses)
@@ -246,25 +223,11 @@ class TableGroup:
             stored = self._stored(r) if self.admitting or self.per_key_scores else None
             refused = self._admission(r, stored) if self.admitting else None
             slots, inserted = self._claim(r, self._claim_scores(r, stored, ids, scores), refused)
-            launch(
-                _init_rows_kernel, (cdiv(n, LANE_BLOCK),),
-                r.keys, r.tids, slots, inserted.view(torch.int8), r.count, self._descriptors(), self._seeds, self._scales, self.dim, self.row_dim,
-                self.row_stride, BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, next_power_of_2(self.dim)),
-            )
+            init_rows(r.keys, r.tids, slots, inserted, r.count, self._stack(), self._seeds, self._scales, self.dim)
         else:
-            slots = probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
+            slots = probe(self._stack().desc, r.keys, self.bucket_size, 0, r.tids, count=r.count)
         self._rows(r, slots, counted=train)
-        dim_block = min(128, next_power_of_2(self.dim))
-        launch(
-            _gather_kernel, (cdiv(n, GATHER_BLOCK),),
-            r.number, r.rows, n, self._descriptors(), out, self.dim, self.row_stride, BLOCK=GATHER_BLOCK, DIM_BLOCK=dim_block,
-            num_warps=GATHER_WARPS,
-        )
-        launch(
-            _fresh_rows_kernel, resident_grid(cdiv(n, GATHER_BLOCK), self.device, FRESH_PROGRAMS),
-            r.number, r.rows, r.keys, r.tids, n, r.rowless, self._seeds, self._scales, out, self.dim, BLOCK=GATHER_BLOCK,
-            DIM_BLOCK=dim_block, num_warps=GATHER_WARPS,
-        )
+        gather_embeddings(r.number, r.rows, r.keys, r.tids, r.rowless, self._stack(), self._seeds, self._scales, out)
         r.placements = self._placements()
         self.routing = r
         return list(out.split(sizes))
@@ -290,28 +253,24 @@ class TableGroup:
         stored count plus this call's copies; those below the threshold keep the count in
         their member's counter table, the others are admitted and their count dropped
         (_admit_kernel). Refused ids count as lookups, not as rejections. No host wait."""
-        n = r.keys.numel()
-        desc = self._counter_descriptors()
+        counters = self._counter_stack()
         counted = torch.zeros_like(r.keys)
-        found = probe(desc, r.keys, self.bucket_size, 0, stored.tids, count=r.count, scores=counted)
-        claim_keys, seen = torch.empty(2, n, dtype=torch.int64, device=self.device).unbind()
-        refused = torch.empty(n, dtype=torch.bool, device=self.device)
-        launch(
-            _admit_kernel, (cdiv(n, SCAN_BLOCK),),
-            r.keys, stored.tids, stored.slots, found, counted, stored.uses, r.count, n, self._admits, self._thresholds, desc,
-            self._counts, claim_keys, seen, refused.view(torch.int8), len(self.members), BLOCK=SCAN_BLOCK,
+        found = probe(counters.desc, r.keys, self.bucket_size, 0, stored.tids, count=r.count, scores=counted)
+        claim_keys, seen, refused = admit(
+            r.keys, stored.tids, stored.slots, found, counted, stored.uses, r.count, self._admits, self._thresholds, counters,
+            self._counts,
         )
         # the refused ids' counts stored (the claim skips the reserved key: the others)
-        claim(desc, claim_keys, seen, self.bucket_size, stored.tids, count=r.count, victims=False)
+        claim(counters.desc, claim_keys, seen, self.bucket_size, stored.tids, count=r.count, victims=False)
         return refused
 
-    def _counter_descriptors(self) -> torch.Tensor:
-        """The members' counter tables, in a stack of descriptors (a member without one:
-        another's; no key of that member is ever looked up in it)."""
+    def _counter_stack(self) -> TableStack:
+        """The members' counter tables (a member without one: another's; no key of that
+        member is ever looked up in it)."""
         tables = [m.counters for m in self.members if m.counters is not None]
         mine = [m.counters if m.counters is not None else tables[0] for m in self.members]
         return self._cached("counter_desc", tuple(t.keys.data_ptr() for t in mine),
-                            lambda: torch.stack([t.descriptor() for t in mine]))
+                            lambda: TableStack(torch.stack([t.descriptor() for t in mine]), mine))
 
     def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], refused: torch.Tensor | None = None):
         """find_or_insert of the segments' ids in their tables with `scored` (_claim_scores),
@@ -321,7 +280,7 @@ class TableGroup:
         scores, offset, per_table = scored
         keys = r.keys if refused is None else torch.where(refused, EMPTY_KEY, r.keys)
         slots, inserted, _, _, _ = claim(
-            self._descriptors(), keys, scores, self.bucket_size, r.tids, table_scores=per_table,
+            self._stack().desc, keys, scores, self.bucket_size, r.tids, table_scores=per_table,
             counts=self._counts, count=r.count, victims=False, score_offset=offset,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
@@ -347,33 +306,12 @@ class TableGroup:
     def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None) -> None:
         """Sets r.rows from the segments' slots; counted (train or not): also counts the
         lookup in the members' statistics."""
-        launch(
-            _segment_rows_kernel, (cdiv(slots.numel(), SCAN_BLOCK),),
-            r.tids, slots, r.count, r.rows, r.rowless, self._counts, self._inserting, len(self.members),
-            BLOCK=SCAN_BLOCK, COUNT=counted is not None, TRAIN=bool(counted),
-        )
+        segment_rows(r.tids, slots, r.count, r.rows, r.rowless, self._counts, self._inserting, counted)
 
     def _route(self, ids: tuple, keys, tids) -> _Routing:
         """Numbers the lanes by segment, one per distinct (table, id): each lane's taker,
         the first lane with its id (_distinct_kernel), then the takers in lane order."""
-        n = keys.numel()
-        size = next_power_of_2(2 * n)  # the map at most half full
-        # one zeroed buffer for the map, the count of segments and the rowless flag; one
-        # allocation for the per-lane and one for the per-segment arrays (each allocation
-        # costs host time the device waits for)
-        scratch = torch.zeros(size + 2, dtype=torch.int32, device=self.device)
-        count, rowless = scratch[size : size + 1], scratch[size + 1 : size + 2]
-        number, first = torch.empty(2, n, dtype=torch.int32, device=self.device).unbind()
-        launch(
-            _distinct_kernel, (cdiv(n, DISTINCT_BLOCK),),
-            keys, tids, n, scratch, size - 1, number, first, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
-        )
-        ranks = torch.cumsum(first, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
-        seg_keys, seg_tids, rows = torch.empty(3, n, dtype=torch.int64, device=self.device).unbind()
-        launch(
-            _number_kernel, (cdiv(n, SCAN_BLOCK),),
-            number, ranks, keys, tids, n, seg_keys, seg_tids, count, BLOCK=SCAN_BLOCK,
-        )
+        number, count, seg_keys, seg_tids, rows, rowless = number_segments(keys, tids)
         return _Routing(ids, number, count, seg_keys, seg_tids, rows, rowless)
 
     # ---- update ---------------------------------------------------------------------------
@@ -390,31 +328,10 @@ class TableGroup:
             keys = torch.cat(ids)
             tids, _ = self._lanes(sizes)
             r = self._route(tuple(given), keys, tids)
-            self._rows(r, probe(self._descriptors(), r.keys, self.bucket_size, 0, r.tids, count=r.count), counted=None)
-        n = r.number.numel()
+            self._rows(r, probe(self._stack().desc, r.keys, self.bucket_size, 0, r.tids, count=r.count), counted=None)
         grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
                  else g.to(self.device, torch.float32).contiguous() for g in grads]
         _, lane_bounds = self._lanes(tuple(x.numel() for x in r.ids))
         ptrs = [g.data_ptr() for g in grads]
         grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
-        # the lanes sorted by segment (stable: a segment's gradients are summed in lane order)
-        seg, order = torch.sort(r.number, stable=True)
-        starts = torch.empty(n, dtype=torch.int64, device=self.device)
-        partial = torch.empty(n // LONG_SEGMENT + 1, self.dim, dtype=torch.float32, device=self.device)
-        dim_block = next_power_of_2(self.dim)
-        launch(
-            _segments_kernel, (cdiv(n, 256),),
-            seg, n, starts, partial, self.dim, LONG=LONG_SEGMENT, BLOCK=256, DIM=dim_block,
-        )
-        block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
-        launch(
-            _long_segment_sum_kernel, resident_grid(cdiv(n, SUM_TILE), self.device, SUM_PROGRAMS),
-            order, seg, starts, r.rows, n, grad_ptrs, lane_bounds, partial, self.dim,
-            LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
-        )
-        launch(
-            _segment_update_kernel, resident_grid(cdiv(n, block), self.device, UPDATE_PROGRAMS),
-            order, starts, r.rows, r.count, n, grad_ptrs, lane_bounds, partial, self._descriptors(), self.dim,
-            self.row_stride, **optimizer_args(self.optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
-            num_warps=UPDATE_WARPS,
-        )
+        update_segments(r.number, r.rows, r.count, Gradients(grads, grad_ptrs, lane_bounds), self._stack(), self.dim, self.optimizer)

@@ -16,7 +16,7 @@ from ..launch import launch, next_power_of_2
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import _initial_embedding
 from .claim_kernels import claim
-from .probe_kernels import _grid, probe
+from .probe_kernels import K_EMPTY_KEY, _grid, probe
 from .slot_kernels import copy_rows
 from .triton_table import TritonHashTable
 
@@ -32,8 +32,8 @@ def _initial_rows_kernel(
     host row and needs one: it was inserted on the device, or it has no device row."""
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lanes < n
-    key = tl.load(key_ptr + lanes, mask=live, other=-9223372036854775807 - 1)
-    need = live & (key != -9223372036854775807 - 1) & (tl.load(host_slot_ptr + lanes, mask=live, other=0) < 0)
+    key = tl.load(key_ptr + lanes, mask=live, other=K_EMPTY_KEY)
+    need = live & (key != K_EMPTY_KEY) & (tl.load(host_slot_ptr + lanes, mask=live, other=0) < 0)
     need = need & ((tl.load(inserted_ptr + lanes, mask=live, other=0) != 0) | (tl.load(slot_ptr + lanes, mask=live, other=0) < 0))
     if tl.max(need.to(tl.int32), axis=0) > 0:
         row = rows_ptr + lanes[:, None].to(tl.int64) * row_dim
