@@ -170,3 +170,59 @@ def test_later_launches_reuse_the_tuners_choice_and_give_the_same_result():
     assert config in triton_kernels._forward.tuner.configs
     second = triton_kernels.hstu_attention(*args)  # the chosen configuration, launched directly
     assert len(triton_kernels._forward.chosen) == 1 and torch.equal(first, second)
+
+
+def test_time_buckets_are_exact_at_every_edge():
+    """Sequences of two rows whose gap is each bucket's least gap, one less and one more
+    (gaps past 2^24 round to float32 as the twin's do): with zero queries and keys, the
+    second row's output is SiLU(its bucket's bias) / max_seq_len, so a gap placed in the
+    next or the last bucket shows."""
+    edges = reference.time_bucket_edges(NUM_BUCKETS)[1:]
+    gaps = sorted({max(1, e + d) for e in edges for d in (-1, 0, 1)} | {2**40, 2**62})
+    b = len(gaps)
+    offsets = torch.arange(0, 2 * b + 1, 2, device=DEVICE)
+    timestamps = torch.stack([torch.zeros(b, dtype=torch.int64), torch.tensor(gaps)], 1).reshape(-1).to(DEVICE)
+    q = torch.zeros(2 * b, 1, 16, device=DEVICE)
+    v = torch.zeros(2 * b, 1, 16, device=DEVICE)
+    v[0::2] = 1.0  # the first row of each sequence
+    time_bias = torch.arange(NUM_BUCKETS + 1, dtype=torch.float32, device=DEVICE) * 0.01
+    position_bias = torch.zeros(3, device=DEVICE)
+    out = {backend: hstu_attention(q, q, v, offsets, timestamps, position_bias, time_bias, 2, backend=backend)
+           for backend in ("triton", "reference")}
+    assert close(out["triton"], out["reference"], 1e-6)
+    buckets = time_buckets(torch.tensor([0, 2**62]), NUM_BUCKETS)[0, 1]
+    assert int(buckets) == NUM_BUCKETS  # the largest gaps are clamped into the last bucket
+
+
+@pytest.mark.parametrize("targets", [False, True])
+def test_tiles_whose_gaps_span_one_or_two_buckets_match_the_twin(targets):
+    """Sequences whose second half starts a jump after the first (gaps across it run from
+    the jump to about 400 past it): tiles across the jump hold gaps of one bucket (a jump
+    inside one) or of two (a jump just below a bucket's float32 edge, past 2^24 where
+    whole gaps round onto the edge from below); outputs and every gradient equal the
+    twin's."""
+    edges = torch.tensor(reference.time_bucket_edges(NUM_BUCKETS), dtype=torch.float32).tolist()
+    jumps = [int(edges[b]) - 150 for b in (40, 60, 80, 100, 120)] + [int(1.15 * edges[b]) for b in (50, 90, 110)]
+    gen = torch.Generator().manual_seed(0)
+    half, heads, dim = 128, 2, 32
+    stamps = []
+    for jump in jumps:
+        steps = torch.randint(0, 4, (2 * half,), generator=gen)
+        steps[half] += jump
+        stamps.append(torch.cumsum(steps, 0))
+    b = len(jumps)
+    offsets = torch.arange(0, 2 * half * b + 1, 2 * half).to(DEVICE)
+    max_seq_len = 2 * half
+    tensors = dict(
+        q=torch.randn(2 * half * b, heads, dim, generator=gen), k=torch.randn(2 * half * b, heads, dim, generator=gen),
+        v=torch.randn(2 * half * b, heads, dim, generator=gen), timestamps=torch.cat(stamps),
+        position_bias=torch.randn(2 * max_seq_len - 1, generator=gen), time_bias=torch.randn(NUM_BUCKETS + 1, generator=gen),
+    )
+    tensors = {n: t.to(DEVICE).requires_grad_(n != "timestamps") for n, t in tensors.items()}
+    num_targets = torch.randint(0, 5, (b,), generator=gen).to(DEVICE) if targets else None
+    upstream = torch.randn(tensors["v"].shape, generator=gen).to(DEVICE)
+    got, got_grads = run("triton", tensors, offsets, max_seq_len, num_targets, 0, upstream)
+    want, want_grads = run("reference", tensors, offsets, max_seq_len, num_targets, 0, upstream)
+    assert close(got, want, TOLERANCE[torch.float32])
+    for name, g in want_grads.items():
+        assert close(got_grads[name], g, TOLERANCE[torch.float32] * 4), name

@@ -44,6 +44,8 @@ _LOG2_TO_BUCKET = tl.constexpr(math.log(2) / TIME_BUCKET_LOG)  # log(gap) / TIME
 # log2(gap) · _LOG2_TO_BUCKET is within 1e-5 of the exact value (the approximate log2 and
 # float32 rounding): a pair this close to a whole number is placed by its bucket's edge
 _NEAR_EDGE = tl.constexpr(1e-3)
+_ROUNDER = tl.constexpr(1.5 * 2**23)  # x + this keeps round(x) in the sum's low bits (|x| < 2^22)
+_ROUNDER_BITS = tl.constexpr(0x4B400000)  # the float32 bits of _ROUNDER
 # The dQ kernel adds the biases' gradients into this many copies of each, a program into
 # copy (its linear id mod this), summed after the launch: with one copy, programs adding at
 # the same positions or buckets at once wait on each other's atomic adds.
@@ -51,19 +53,29 @@ BIAS_GRAD_COPIES = tl.constexpr(64)
 
 
 @triton.jit
+def _whole(x):
+    """(x rounded to the nearest whole number as float32, and as int32) for |x| < 2^22:
+    adding 1.5 · 2^23 leaves the rounded value in the low bits of the sum, whose bits less
+    the constant's are the integer; two adds and an integer subtraction, where floor and
+    float-to-int conversions run on the multiprocessor's quarter-rate unit."""
+    y = x + _ROUNDER
+    return y - _ROUNDER, y.to(tl.int32, bitcast=True) - _ROUNDER_BITS
+
+
+@triton.jit
 def _time_bucket(gap, edges_ptr, num_buckets):
-    """The twin's bucket of float32 gaps >= 1: from an approximate log2, and where that is
-    near a whole number r, by comparing the gap with bucket r's least gap (edges_ptr:
-    reference.time_bucket_edges in float32)."""
+    """The twin's bucket of float32 gaps >= 1: floor of an approximate log, and where that
+    is near a whole number r, by comparing the gap with bucket r's least gap (edges_ptr:
+    reference.time_bucket_edges in float32). Away from whole numbers, rounding x - 0.5 is
+    the floor."""
     if _FAST_MATH:
         x = libdevice.fast_log2f(gap) * _LOG2_TO_BUCKET
     else:
         x = tl.log2(gap) * _LOG2_TO_BUCKET
-    nearest = tl.floor(x + 0.5)
+    nearest, r = _whole(x)
     near = tl.abs(x - nearest) < _NEAR_EDGE
-    r = tl.minimum(nearest, num_buckets + 1).to(tl.int32)
-    edge = tl.load(edges_ptr + r, mask=near, other=0.0)
-    bucket = tl.where(near, r - (gap < edge).to(tl.int32), x.to(tl.int32))  # truncation is floor: x > -1e-5
+    edge = tl.load(edges_ptr + tl.minimum(r, num_buckets + 1), mask=near, other=0.0)
+    bucket = tl.where(near, r - (gap < edge).to(tl.int32), _whole(x - 0.5)[1])
     return tl.minimum(bucket, num_buckets)
 
 
