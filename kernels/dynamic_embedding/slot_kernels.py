@@ -1,12 +1,15 @@
 """Triton kernels on a hash table's slots and rows outside the claim: the deterministic
 mode's placement (choose slots reading only, then write them), releasing slots, counting
-and exporting rows, and copying rows between tables and buffers.
+and exporting rows, copying rows between tables and buffers, and gathering a claim's
+victims. Each is called through a launcher here, whose PyTorch twin of the same
+signature is in slot_reference.py (tests/test_slot_kernels.py holds them together).
 """
 import torch
 import triton
 import triton.language as tl
 
 from ..launch import launch, next_power_of_2
+from .claim_kernels import PLACE_BLOCK
 from .probe_kernels import FIND_BLOCK, FIND_WARPS, K_ABOVE_ALL, K_EMPTY_KEY, _digest, _grid, _hash
 
 
@@ -148,6 +151,85 @@ def _copy_rows_kernel(
         tl.store(dst_ptr + dst[:, None] * dst_stride + cols[None, :], row, mask=live[:, None] & (cols[None, :] < end))
 
 
+# ---- launchers (twins: slot_reference.py) --------------------------------------------------
+
+RELEASE_BLOCK = 256  # slots per program of release_slots
+EXPORT_BLOCK = 256  # slots per program of count_rows and export_rows
+
+
+def release_slots(slots: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, digests: torch.Tensor) -> None:
+    """Empties a table's slots given (those >= 0; the others are skipped): key, score and
+    digest."""
+    n = slots.numel()
+    if n:
+        launch(_release_slots_kernel, _grid(n, RELEASE_BLOCK), slots, n, keys, scores, digests, BLOCK=RELEASE_BLOCK)
+
+
+def choose_slots(
+    buckets: torch.Tensor, ranks: torch.Tensor, new_scores: torch.Tensor, keys: torch.Tensor, digests: torch.Tensor,
+    scores: torch.Tensor, marks: torch.Tensor, call: int, bucket_size: int, evict: bool,
+):
+    """Deterministic placement, reading only: for M new keys (their bucket, their rank
+    among the call's new keys of that bucket, their scores), the slot each takes: the
+    bucket's rank-th free slot; past the free ones (evict) the (rank - free)-th lowest
+    (score, slot) of the bucket's occupied rows not marked with `call`, where that score
+    is at most the key's own; else -1. Returns (slots, victim_keys, victim_scores,
+    victims) with evict (victims: int8, 1 where the slot held a row), else (slots, None,
+    None, None)."""
+    m = buckets.numel()
+    slots = torch.empty(m, dtype=torch.int64, device=buckets.device)
+    victim_keys = victim_scores = victims = None
+    if evict:
+        victim_keys, victim_scores = torch.empty_like(slots), torch.empty_like(slots)
+        victims = torch.empty(m, dtype=torch.int8, device=buckets.device)
+    if m:
+        launch(
+            _choose_slots_kernel, _grid(m, PLACE_BLOCK),
+            buckets, ranks, new_scores, m, keys, digests, scores, marks, call, slots,
+            *((victim_keys, victim_scores, victims) if evict else (slots, slots, slots)),
+            BUCKET=bucket_size, BLOCK=PLACE_BLOCK, EVICT=evict,
+        )
+    return slots, victim_keys, victim_scores, victims
+
+
+def write_slots(
+    slots: torch.Tensor, new_keys: torch.Tensor, new_scores: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor,
+    digests: torch.Tensor,
+) -> None:
+    """Stores new keys with their scores and digests at their slots (those >= 0)."""
+    m = slots.numel()
+    if m:
+        launch(_write_slots_kernel, _grid(m, FIND_BLOCK), slots, new_keys, new_scores, m, keys, scores, digests, BLOCK=FIND_BLOCK)
+
+
+def count_rows(keys: torch.Tensor, scores: torch.Tensor, min_score: int | None) -> tuple[torch.Tensor, int]:
+    """(where each block of EXPORT_BLOCK slots starts in an export, the rows exported): the
+    stored rows, or those whose score is at least min_score. Reads the total (a wait)."""
+    n_blocks = _grid(keys.numel(), EXPORT_BLOCK)[0]
+    counts = torch.empty(n_blocks, dtype=torch.int64, device=keys.device)
+    launch(
+        _count_kernel, (n_blocks,), keys, scores, keys.numel(), 0 if min_score is None else int(min_score), counts,
+        BLOCK=EXPORT_BLOCK, FILTER=min_score is not None,
+    )
+    return torch.cumsum(counts, 0) - counts, int(counts.sum())
+
+
+def export_rows(
+    keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, min_score: int | None, starts: torch.Tensor,
+    out_keys: torch.Tensor, out_values: torch.Tensor, out_scores: torch.Tensor,
+) -> None:
+    """Copies the rows count_rows counted, in slot order, to the outputs (values: (slots,
+    row_dim) with unit column stride)."""
+    if out_keys.numel():
+        row_dim = out_values.shape[1]
+        launch(
+            _export_kernel, (starts.numel(),),
+            keys, scores, values, keys.numel(), 0 if min_score is None else int(min_score), starts, out_keys, out_values,
+            out_scores, row_dim, values.stride(0),
+            BLOCK=EXPORT_BLOCK, DIM_BLOCK=min(64, next_power_of_2(row_dim)), FILTER=min_score is not None,
+        )
+
+
 def copy_rows(
     src: torch.Tensor, src_slots: torch.Tensor | None, dst: torch.Tensor, dst_slots: torch.Tensor | None, width: int,
     whole_rows: bool = False, marks: torch.Tensor | None = None,
@@ -218,16 +300,3 @@ def gather_victims(
         out_keys, out_scores, out_rows, count, BLOCK=VICTIM_BLOCK, DIM_BLOCK=min(128, next_power_of_2(row_dim)),
     )
 
-
-def gather_victims_reference(
-    evicted: torch.Tensor, slots: torch.Tensor, victim_keys: torch.Tensor, victim_scores: torch.Tensor, values: torch.Tensor,
-    out_keys: torch.Tensor, out_scores: torch.Tensor, out_rows: torch.Tensor, count: torch.Tensor,
-) -> None:
-    """gather_victims in PyTorch, the victims in lane order."""
-    lanes = evicted.nonzero().squeeze(1)
-    start = int(count)
-    end = start + lanes.numel()
-    out_keys[start:end] = victim_keys[lanes]
-    out_scores[start:end] = victim_scores[lanes]
-    out_rows[start:end] = values[slots[lanes]]
-    count += lanes.numel()

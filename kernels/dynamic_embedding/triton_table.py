@@ -21,17 +21,14 @@ insert), slot_kernels.py (deterministic placement, release, export, row copies).
 """
 import torch
 
-from ..launch import launch, next_power_of_2
-from .claim_kernels import PLACE_BLOCK, claim, new_call
+from .claim_kernels import claim, new_call
 from .hashing import EMPTY_KEY
 from .host_memory import host_mapped
 from .probe_kernels import (
-    _DIGESTS, _HEADS, _KEYS, _MARKS, _MASK, _MODE, _SCORES, _VALUES, _WAITS, DESCRIPTOR_WORDS, EVICT, FIND_BLOCK, GROW, KEEP,
-    ROW_ALIGN, _grid, probe,
+    _DIGESTS, _HEADS, _KEYS, _MARKS, _MASK, _MODE, _SCORES, _VALUES, _WAITS, DESCRIPTOR_WORDS, EVICT, GROW, KEEP,
+    ROW_ALIGN, probe,
 )
-from .slot_kernels import (
-    _choose_slots_kernel, _count_kernel, _export_kernel, _release_slots_kernel, _write_slots_kernel, copy_rows, gather_victims,
-)
+from .slot_kernels import choose_slots, copy_rows, count_rows, export_rows, gather_victims, release_slots, write_slots
 from .table import MISSING, Evicted, EvictedBuffers, ReferenceHashTable, reserved_key_error
 
 
@@ -53,8 +50,6 @@ class TritonHashTable(ReferenceHashTable):
     - insert_or_assign stores one of the copies of a duplicated key (not the last).
     """
 
-    EXPORT_BLOCK = 256
-
     def __init__(self, *args, deterministic: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if self.bucket_size & (self.bucket_size - 1):
@@ -64,9 +59,7 @@ class TritonHashTable(ReferenceHashTable):
     def _clear(self, slots: torch.Tensor) -> None:
         """As the reference's, and slots < 0 are skipped (callers may mask lanes)."""
         self.placements += 1
-        n = slots.numel()
-        if n:
-            launch(_release_slots_kernel, _grid(n, 256), slots, n, self.keys, self.scores, self.digests, BLOCK=256)
+        release_slots(slots, self.keys, self.scores, self.digests)
 
     @property
     def insert_mode(self) -> int:
@@ -256,52 +249,30 @@ class TritonHashTable(ReferenceHashTable):
             if bool((rank >= free).any()):
                 self._grow()
                 return self._place(new_keys, new_scores, used_keys)
-        M = keys_sorted.numel()
-        slots = torch.empty(M, dtype=torch.int64, device=self.device)
         evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
         evicting = at_max and self.evict  # else keys past a full bucket's free slots are not stored
+        call = 0
         if evicting:
-            victim_keys, victim_scores = torch.empty_like(slots), torch.empty_like(slots)
-            victim = torch.empty(M, dtype=torch.int8, device=self.device)
             used = self._probe(used_keys.contiguous())
             call = new_call()
             self._marks[used[used != MISSING]] = call  # rows this call uses are never evicted
-        else:
-            victim_keys = victim_scores = victim = slots  # not touched without EVICT
-            call = 0
-        launch(
-            _choose_slots_kernel, _grid(M, PLACE_BLOCK),
-            buckets.contiguous(), rank.contiguous(), scores_sorted, M, self.keys, self.digests, self.scores, self._marks, call,
-            slots, victim_keys, victim_scores, victim,
-            BUCKET=S, BLOCK=PLACE_BLOCK, EVICT=evicting,
+        slots, victim_keys, victim_scores, victim = choose_slots(
+            buckets.contiguous(), rank.contiguous(), scores_sorted, self.keys, self.digests, self.scores, self._marks, call, S,
+            evicting,
         )
         if evicting:
             v = victim.bool()
             evicted = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])
-        launch(
-            _write_slots_kernel, _grid(M, FIND_BLOCK),
-            slots, keys_sorted, scores_sorted, M, self.keys, self.scores, self.digests, BLOCK=FIND_BLOCK
-        )
+        write_slots(slots, keys_sorted, scores_sorted, self.keys, self.scores, self.digests)
         return evicted
 
     def export(self, min_score: int | None = None):
-        n_blocks = _grid(self.capacity, self.EXPORT_BLOCK)[0]
-        counts = torch.empty(n_blocks, dtype=torch.int64, device=self.device)
-        filt = min_score is not None
-        ms = int(min_score) if filt else 0
-        launch(_count_kernel, (n_blocks,), self.keys, self.scores, self.capacity, ms, counts, BLOCK=self.EXPORT_BLOCK, FILTER=filt)
-        starts = torch.cumsum(counts, 0) - counts
-        total = int(counts.sum())
+        starts, total = count_rows(self.keys, self.scores, min_score)
         keys = torch.empty(total, dtype=torch.int64, device=self.device)
         scores = torch.empty(total, dtype=torch.int64, device=self.device)
         if self.host_rows:  # exported to pinned host memory, not to the device's
             values = host_mapped((total, self.row_dim), self.dtype, self.device)[1]
         else:
             values = torch.empty(total, self.row_dim, dtype=self.dtype, device=self.device)
-        if total:
-            launch(
-                _export_kernel, (n_blocks,),
-                self.keys, self.scores, self.values, self.capacity, ms, starts, keys, values, scores, self.row_dim, self.row_stride,
-                BLOCK=self.EXPORT_BLOCK, DIM_BLOCK=min(64, next_power_of_2(self.row_dim)), FILTER=filt,
-            )
+        export_rows(self.keys, self.scores, self.values, min_score, starts, keys, values, scores)
         return keys, values, scores
