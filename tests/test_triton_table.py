@@ -497,6 +497,7 @@ def test_insert_and_evict_returns_every_row_it_pushes_out(kind, batches):
         e = int(out.count)
         after = stored_entries(table)
         evicted = out.keys[:e].tolist()
+        assert out.evicted().keys.tolist() == evicted and torch.equal(out.evicted().rows, out.rows[:e])
         assert len(set(evicted)) == e and set(evicted) == set(before) - set(after)
         for key, row, score in zip(evicted, out.rows[:e].tolist(), out.scores[:e].tolist()):
             assert (tuple(row), score) == before[key]

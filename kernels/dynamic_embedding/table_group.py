@@ -97,8 +97,7 @@ class TableGroup:
         # the storage's device, with its index ("cuda" alone compares unequal to a tensor's
         # "cuda:0": every id tensor would take the converting path)
         self.device = first.table.keys.device
-        self.dim, self.row_dim = first.dim, first.config.row_dim
-        self.row_stride = first.table.row_stride
+        self.dim = first.dim
         self.bucket_size, self.optimizer = first.config.bucket_size, first.config.optimizer
         self._seeds = _to_device([m._init[0] for m in members], torch.int64, self.device)
         self._scales = _to_device([m._init[1] for m in members], torch.float64, self.device)
