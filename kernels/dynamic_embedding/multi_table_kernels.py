@@ -390,8 +390,8 @@ class Gradients:
 def number_segments(keys: torch.Tensor, tids: torch.Tensor):
     """Numbers N lanes (keys, of tables tids) by segment, one per distinct (table, id):
     (number (N,) int32, count (1,) int32, seg_keys, seg_tids, rows, rowless). The per-
-    segment tensors have N entries, the first count[0] used; rows (N,) int64 and rowless
-    (1,) int32, zeroed, are segment_rows' outputs, allocated with the others (each
+    segment tensors have N entries, the first count[0] used; rows (N,) int64 (unset) and
+    rowless (1,) int32 (zeroed) are segment_rows' outputs, allocated with the others (each
     allocation costs host time the device waits for). A segment's number is the rank of
     its taker, the lane that took its slot in a scratch map (_distinct_kernel)."""
     n = keys.numel()

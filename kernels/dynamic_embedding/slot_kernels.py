@@ -151,10 +151,35 @@ def _copy_rows_kernel(
         tl.store(dst_ptr + dst[:, None] * dst_stride + cols[None, :], row, mask=live[:, None] & (cols[None, :] < end))
 
 
+@triton.jit
+def _gather_victims_kernel(
+    evicted_ptr, slot_ptr, victim_key_ptr, victim_score_ptr, values_ptr, row_stride, n, row_dim,
+    out_key_ptr, out_score_ptr, out_row_ptr, count_ptr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """For the lanes of a block whose slot held a victim (evicted): one atomic add on the
+    count reserves the block's run of entries, which take the victims' keys, scores and
+    rows (values[slot], still the victim's) in lane order."""
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = lanes < n
+    ev = live & (tl.load(evicted_ptr + lanes, mask=live, other=0) != 0)
+    many = tl.sum(ev.to(tl.int64), axis=0)
+    if many > 0:
+        at = tl.atomic_add(count_ptr, many, sem="relaxed") + tl.cumsum(ev.to(tl.int64), axis=0) - 1
+        tl.store(out_key_ptr + at, tl.load(victim_key_ptr + lanes, mask=ev, other=0), mask=ev)
+        tl.store(out_score_ptr + at, tl.load(victim_score_ptr + lanes, mask=ev, other=0), mask=ev)
+        slot = tl.load(slot_ptr + lanes, mask=ev, other=0)
+        for c in range(0, row_dim, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            m = ev[:, None] & (cols[None, :] < row_dim)
+            row = tl.load(values_ptr + slot[:, None] * row_stride + cols[None, :], mask=m)
+            tl.store(out_row_ptr + at[:, None] * row_dim + cols[None, :], row, mask=m)
+
+
 # ---- launchers (twins: slot_reference.py) --------------------------------------------------
 
 RELEASE_BLOCK = 256  # slots per program of release_slots
 EXPORT_BLOCK = 256  # slots per program of count_rows and export_rows
+VICTIM_BLOCK = 256  # lanes per program of gather_victims: one atomic add per program
 
 
 def release_slots(slots: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, digests: torch.Tensor) -> None:
@@ -251,33 +276,6 @@ def copy_rows(
         DST_SLOTS=dst_slots is not None, WHOLE=whole_rows, ELECT=marks is not None, BLOCK=FIND_BLOCK,
         DIM_BLOCK=min(128, next_power_of_2(dst.stride(0))), num_warps=FIND_WARPS,
     )
-
-
-VICTIM_BLOCK = 256  # lanes per program of gather_victims: one atomic add per program
-
-
-@triton.jit
-def _gather_victims_kernel(
-    evicted_ptr, slot_ptr, victim_key_ptr, victim_score_ptr, values_ptr, row_stride, n, row_dim,
-    out_key_ptr, out_score_ptr, out_row_ptr, count_ptr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
-):
-    """For the lanes of a block whose slot held a victim (evicted): one atomic add on the
-    count reserves the block's run of entries, which take the victims' keys, scores and
-    rows (values[slot], still the victim's) in lane order."""
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = lanes < n
-    ev = live & (tl.load(evicted_ptr + lanes, mask=live, other=0) != 0)
-    many = tl.sum(ev.to(tl.int64), axis=0)
-    if many > 0:
-        at = tl.atomic_add(count_ptr, many, sem="relaxed") + tl.cumsum(ev.to(tl.int64), axis=0) - 1
-        tl.store(out_key_ptr + at, tl.load(victim_key_ptr + lanes, mask=ev, other=0), mask=ev)
-        tl.store(out_score_ptr + at, tl.load(victim_score_ptr + lanes, mask=ev, other=0), mask=ev)
-        slot = tl.load(slot_ptr + lanes, mask=ev, other=0)
-        for c in range(0, row_dim, DIM_BLOCK):
-            cols = c + tl.arange(0, DIM_BLOCK)
-            m = ev[:, None] & (cols[None, :] < row_dim)
-            row = tl.load(values_ptr + slot[:, None] * row_stride + cols[None, :], mask=m)
-            tl.store(out_row_ptr + at[:, None] * row_dim + cols[None, :], row, mask=m)
 
 
 def gather_victims(
