@@ -7,7 +7,7 @@ import torch
 
 from kernels.dynamic_embedding import multi_table_kernels as kernels
 from kernels.dynamic_embedding import multi_table_reference as twins
-from kernels.dynamic_embedding.counters import NUM_COUNTED
+from kernels.dynamic_embedding.counters import ADMISSIONS, NUM_COUNTED
 from kernels.dynamic_embedding.hashing import EMPTY_KEY
 from kernels.dynamic_embedding.optimizers import OptimizerConfig
 from kernels.dynamic_embedding.triton_table import TritonHashTable
@@ -124,28 +124,48 @@ def test_gather_embeddings():
     assert torch.equal(got, want)
 
 
+def test_admission_gate():
+    main = tables(10, DIM)
+    n = 250
+    keys, tids, _ = lanes(11, main, n)
+    _, count, _, seg_tids, _, _ = twins.number_segments_reference(keys, tids)
+    g = torch.Generator().manual_seed(12)
+    counted, uses = torch.randint(0, 5, (n,), generator=g).to(DEVICE), torch.randint(1, 4, (n,), generator=g).to(DEVICE)
+    admits = torch.tensor([1, 0, 1], dtype=torch.int8, device=DEVICE)
+    thresholds = torch.tensor([3, 2, 6], device=DEVICE)
+    got = kernels.admission_gate(seg_tids, counted, uses, count, admits, thresholds)
+    want = twins.admission_gate_reference(seg_tids, counted, uses, count, admits, thresholds)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    barred = want[1]
+    assert 0 < int(barred.sum()) < int(count) and not bool(barred[int(count):].any())  # some barred, none past the count
+
+
 def test_admit():
     got, want = tables(9, 1), tables(9, 1)  # counter tables: a count per stored id
     main = tables(10, DIM)
     n = 250
     keys, tids, _ = lanes(11, main, n)
     _, count, seg_keys, seg_tids, _, _ = twins.number_segments_reference(keys, tids)
+    g = torch.Generator().manual_seed(12)
+    # after a claim: ids stored before keep their slots; of the others, some were inserted
     slots = torch.stack([t.find(seg_keys) for t in main.tables])[seg_tids, torch.arange(n, device=DEVICE)]
+    inserted = (slots < 0) & (torch.rand(n, generator=g) < 0.5).to(DEVICE)
+    slots = torch.where(inserted, torch.randint(0, CAPACITY, (n,), generator=g).to(DEVICE), slots)
     found = torch.stack([t.find(seg_keys) for t in got.tables])[seg_tids, torch.arange(n, device=DEVICE)]
     counted = torch.where(found >= 0, torch.stack([t.scores for t in got.tables])[seg_tids, found.clamp(min=0)], 0)
-    uses = torch.randint(1, 4, (n,), generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    seen = counted + torch.randint(1, 4, (n,), generator=g).to(DEVICE)
     admits = torch.tensor([1, 0, 1], dtype=torch.int8, device=DEVICE)
     thresholds = torch.tensor([3, 2, 6], device=DEVICE)
     counts = [torch.zeros(TABLES, NUM_COUNTED, dtype=torch.int64, device=DEVICE) for _ in range(2)]
-    out = kernels.admit(seg_keys, seg_tids, slots, found, counted, uses, count, admits, thresholds, got, counts[0])
-    ref = twins.admit_reference(seg_keys, seg_tids, slots, found, counted, uses, count, admits, thresholds, want, counts[1])
-    for x, y in zip(out, ref):
-        assert torch.equal(x, y)
-    assert torch.equal(counts[0], counts[1]) and int(counts[0][:, 5].sum()) > 0 and int(ref[2].sum()) > 0  # some admitted, some refused
+    out = kernels.admit(seg_keys, seg_tids, slots, inserted, found, seen, count, admits, thresholds, got, counts[0])
+    ref = twins.admit_reference(seg_keys, seg_tids, slots, inserted, found, seen, count, admits, thresholds, want, counts[1])
+    assert torch.equal(out, ref)
+    refused = ref != EMPTY_KEY
+    assert torch.equal(counts[0], counts[1]) and int(counts[0][:, ADMISSIONS].sum()) > 0 and int(refused.sum()) > 0  # some admitted, some refused
     for a, b in zip(state(got), state(want)):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
-    assert bool((ref[0][~ref[2]] == EMPTY_KEY).all())
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "rowwise_adagrad"])

@@ -36,9 +36,9 @@ def _key_scores(score_ptr, t, lanes, live, score_offset, TABLE_SCORES: tl.conste
 
 @triton.jit
 def _claim_keys(
-    offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, BUCKET: tl.constexpr,
+    offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, barred_ptr, BUCKET: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr,
-    call, score_offset,
+    BARRED: tl.constexpr, call, score_offset,
 ):
     """_claim_kernel's phase 0 on the keys at offs (lanes live). Stores their slots and
     inserted flags, and returns their slots and whether each was inserted."""
@@ -55,6 +55,9 @@ def _claim_keys(
     key_row = tl.multiple_of(keys_base + bucket * BUCKET, ALIGN)
     inserted = tl.zeros(offs.shape, dtype=tl.int8)
     empty_key = tl.full(offs.shape, K_EMPTY_KEY, tl.int64)
+    may_insert = mode != 0  # READ_ONLY tables only look up
+    if BARRED:  # nor do barred keys
+        may_insert = may_insert & (tl.load(barred_ptr + offs, mask=live, other=0) == 0)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         # find the key (stored before, or by a copy in this launch), raise its score and
         # mark it used by this call, before phase 1 evicts anything. Else claim the
@@ -71,7 +74,7 @@ def _claim_keys(
         slot = tl.where(found, hit_slot, slot)
         active = active & ~found
         # a free column: its zero digest may trail its key (the swap tells)
-        has_empty = (empty < BUCKET) & (mode != 0)  # READ_ONLY tables only look up
+        has_empty = (empty < BUCKET) & may_insert
         claiming = active & has_empty
         target = bucket * BUCKET + empty
         won = claiming & False
@@ -90,7 +93,7 @@ def _claim_keys(
         inserted = tl.where(won, 1, inserted).to(tl.int8)
         active = active & ~won  # a lost swap reads the bucket again
         full = active & ~has_empty
-        slot = tl.where(full, tl.where(mode == 1, -2, tl.where(mode == 2, -3, -1)), slot)
+        slot = tl.where(full, tl.where(~may_insert, -1, tl.where(mode == 1, -2, tl.where(mode == 2, -3, -1))), slot)
         active = active & ~full
     # under EVICT (mode 2) a key of a full bucket (-3) joins the bucket's list of waiting
     # keys, whose head (1 + its lane, 0 for none) is the bucket's word in HEADS: its slot
@@ -219,10 +222,10 @@ def _evict_lists(
 # n, the keys of a call, is not specialized on (see multi_table_kernels.py)
 @triton.jit(do_not_specialize=["call", "score_offset", "n"])
 def _claim_kernel(
-    query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, out_ptr, call, counts_ptr, refuse_ptr,
+    query_ptr, tid_ptr, score_ptr, n, count_ptr, desc_ptr, out_ptr, call, counts_ptr, refuse_ptr, barred_ptr,
     buf_ptr, row_dim, row_stride, score_offset, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
-    COUNTED: tl.constexpr, REFUSE: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr, VICTIMS: tl.constexpr,
+    COUNTED: tl.constexpr, REFUSE: tl.constexpr, BARRED: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr, VICTIMS: tl.constexpr,
     LISTS: tl.constexpr, HISTORY: tl.constexpr, ROW_TILE: tl.constexpr,
 ):
     """Fast find_or_insert in two launches. PHASE 0: each key looks for itself (found: its
@@ -240,6 +243,8 @@ def _claim_kernel(
     COUNT: each insert adds to counts[t, INSERTS] and takes one from counts[t, HITS] (a distinct id
     inserted is no hit), each eviction adds to counts[t, EVICTIONS]. COUNTED: as _find_kernel.
     REFUSE: nothing is done if refuse_ptr[0] is set (the caller raises; slots are unset).
+    BARRED: a key whose barred_ptr entry is set is found if stored but never inserted (-1
+    if not stored: admission's ids below their threshold).
     ROWS (one table, no victims returned: their rows are overwritten), with buf (N, row_dim):
     FETCH, find_or_insert_values' rows: a key inserted stores its row of buf, the others
     get their stored row in buf. A key inserted in phase 0 writes its row there; rows go
@@ -282,8 +287,8 @@ def _claim_kernel(
             live = offs < n
             offs = tl.minimum(offs, n - 1)  # (idle lanes of the last block swap a live lane's slot entry)
             slot, inserted = _claim_keys(
-                offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, BUCKET, MULTI,
-                TABLE_SCORES, COUNT, ALIGN, ROWS, call, score_offset,
+                offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, counts_ptr, barred_ptr, BUCKET,
+                MULTI, TABLE_SCORES, COUNT, ALIGN, ROWS, BARRED, call, score_offset,
             )
             if VICTIMS:
                 tl.store(evicted_ptr + offs, tl.zeros(offs.shape, dtype=tl.int8), mask=live)
@@ -384,7 +389,7 @@ def claim(
     desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
     refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0, victims: bool = True,
-    assign: bool = False, score_offset: int = 0,
+    assign: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None,
 ):
     """Fast find_or_insert on the tables of `desc` (_claim_kernel): found rows get their
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
@@ -393,7 +398,8 @@ def claim(
     them. table_scores: `scores` are per table, each plus score_offset; counts: (T, 5)
     counters (see _claim_kernel); count: as probe's (flags past it are unset too);
     refuse: a device flag, if set nothing is done (slots and flags unset), so that a
-    caller can check a batch without waiting before the claim.
+    caller can check a batch without waiting before the claim. barred: (N,) bool, keys
+    that are found if stored but never inserted (slot -1 otherwise).
     rows: a contiguous (N, d) buffer of find_or_insert_values (one table whose rows are
     row_stride apart): new keys' first d values are stored from it, the other keys' come
     back in it; victims' rows are overwritten. assign: rows is insert_or_assign's instead,
@@ -416,11 +422,11 @@ def claim(
         args = (
             keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, out, new_call(),
             counts if counts is not None else keys, refuse if refuse is not None else keys,
-            rows if rows is not None else keys, d, row_stride, score_offset,
+            barred.view(torch.int8) if barred is not None else keys, rows if rows is not None else keys, d, row_stride, score_offset,
         )
         phase0, phase1 = _claim_launches(
             len(args), bucket_size, tids is not None, table_scores, counts is not None, count is not None, refuse is not None,
-            0 if rows is None else (ASSIGN if assign else FETCH).value, d, victims,
+            barred is not None, 0 if rows is None else (ASSIGN if assign else FETCH).value, d, victims,
         )
         launch_each(args, ((first, phase0), (second, phase1)))
     slots, flags = out[:n], out[out.numel() - flag_words :].view(torch.int8)[: 2 * n].view(2, n)
@@ -432,14 +438,14 @@ def claim(
 
 @functools.cache
 def _claim_launches(
-    n_args: int, bucket_size: int, multi: bool, table_scores: bool, counts: bool, counted: bool, refuse: bool, rows: int,
-    d: int, victims: bool,
+    n_args: int, bucket_size: int, multi: bool, table_scores: bool, counts: bool, counted: bool, refuse: bool,
+    barred: bool, rows: int, d: int, victims: bool,
 ):
     """The claim's two launches of _claim_kernel on n_args arguments, prepared (its
     constants and options)."""
     constants = dict(
         BUCKET=bucket_size, MULTI=multi, TABLE_SCORES=table_scores, COUNT=counts, ALIGN=min(bucket_size, 16),
-        COUNTED=counted, REFUSE=refuse, ROWS=rows, DIM_BLOCK=min(CLAIM_DIM_BLOCK, next_power_of_2(max(d, 1))),
+        COUNTED=counted, REFUSE=refuse, BARRED=barred, ROWS=rows, DIM_BLOCK=min(CLAIM_DIM_BLOCK, next_power_of_2(max(d, 1))),
         VICTIMS=victims, LISTS=EVICT_LISTS, HISTORY=max(1, min(EVICT_HISTORY, bucket_size // 2)),
         ROW_TILE=min(EVICT_ROW_TILE, next_power_of_2(max(d, 1))),
     )

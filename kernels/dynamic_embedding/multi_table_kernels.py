@@ -324,32 +324,46 @@ def _segment_rows_kernel(
 
 
 @triton.jit
-def _admit_kernel(
-    key_ptr, tid_ptr, slot_ptr, found_ptr, counted_ptr, uses_ptr, count_ptr, n, admits_ptr, threshold_ptr, cdesc_ptr,
-    counts_ptr, claim_key_ptr, seen_ptr, refused_ptr, tables, BLOCK: tl.constexpr,
-):
-    """Admission of a block of segments (n entries, the first count_ptr[0] used): a segment
-    whose id has no row (slot < 0) in a table that admits (admits[t]) is new; its count
-    is its counter table's (counted: the stored score, found: its slot there, < 0 if
-    absent) plus its copies (uses). A count at the table's threshold admits the id: its
-    counter slot is emptied (key, score, digest; cdesc: the counter tables). A count below
-    it refuses the id: refused[s] set, claim_key[s] = the id and seen[s] = the count, for
-    the claim that stores counts (every other claim_key is the reserved key, which the
-    claim skips). Counts per table: admissions, admission rejections, and rejections less
-    the refused ids (the lookup's count of ids without a row counts them)."""
+def _gate_kernel(tid_ptr, counted_ptr, uses_ptr, count_ptr, n, admits_ptr, threshold_ptr, seen_ptr, barred_ptr, BLOCK: tl.constexpr):
+    """Before a claim, for a block of segments (n entries, the first count_ptr[0] used):
+    seen[s], the id's count (counted: its counter row's score, plus uses: its copies in
+    the call), and barred[s], set where the id's table admits (admits[t]) and the count is
+    below the table's threshold: the claim may find such an id but not insert it."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = s < n
     live = s < tl.load(count_ptr)
     t = tl.load(tid_ptr + s, mask=live, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + s, mask=live, other=0)
-    new = live & (slot < 0) & (tl.load(admits_ptr + t, mask=live, other=0) != 0)
     seen = tl.load(counted_ptr + s, mask=live, other=0) + tl.load(uses_ptr + s, mask=live, other=0)
-    admitted = new & (seen >= tl.load(threshold_ptr + t, mask=live, other=0))
+    gated = live & (tl.load(admits_ptr + t, mask=live, other=0) != 0)
+    barred = gated & (seen < tl.load(threshold_ptr + t, mask=live, other=0))
+    tl.store(seen_ptr + s, seen, mask=inside)
+    tl.store(barred_ptr + s, barred.to(tl.int8), mask=inside)
+
+
+@triton.jit
+def _admit_kernel(
+    key_ptr, tid_ptr, slot_ptr, inserted_ptr, found_ptr, seen_ptr, count_ptr, n, admits_ptr, threshold_ptr, cdesc_ptr,
+    counts_ptr, claim_key_ptr, tables, BLOCK: tl.constexpr,
+):
+    """After a claim barred by _gate_kernel, for a block of segments (n entries, the first
+    count_ptr[0] used): a segment whose id was not stored before the claim (inserted by it,
+    or left without a slot) in a table that admits (admits[t]) is new. A new id whose count
+    (seen) is at the table's threshold was admitted: its counter slot (found, < 0 if
+    absent; cdesc: the counter tables) is emptied (key, score, digest). One below it was
+    refused: claim_key[s] = the id, for the claim that stores counts (every other
+    claim_key is the reserved key, which the claim skips). Counts per table: admissions,
+    admission rejections, and rejections less the refused ids (the lookup's count of ids
+    without a row counts them)."""
+    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = s < n
+    live = s < tl.load(count_ptr)
+    t = tl.load(tid_ptr + s, mask=live, other=0).to(tl.int64)
+    was_stored = (tl.load(slot_ptr + s, mask=live, other=-1) >= 0) & (tl.load(inserted_ptr + s, mask=live, other=0) == 0)
+    new = live & ~was_stored & (tl.load(admits_ptr + t, mask=live, other=0) != 0)
+    admitted = new & (tl.load(seen_ptr + s, mask=live, other=0) >= tl.load(threshold_ptr + t, mask=live, other=0))
     refused = new & ~admitted
     key = tl.load(key_ptr + s, mask=live, other=0)
     tl.store(claim_key_ptr + s, tl.where(refused, key, K_EMPTY_KEY), mask=inside)
-    tl.store(seen_ptr + s, seen, mask=inside)
-    tl.store(refused_ptr + s, refused.to(tl.int8), mask=inside)
     found = tl.load(found_ptr + s, mask=admitted, other=-1)
     clear = admitted & (found >= 0)
     tl.store(_field(cdesc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + found, tl.full([BLOCK], K_EMPTY_KEY, tl.int64), mask=clear)
@@ -452,22 +466,35 @@ def gather_embeddings(number, rows, seg_keys, seg_tids, rowless, stack: TableSta
     )
 
 
-def admit(keys, tids, slots, found, counted, uses, count, admits, thresholds, counter_stack: TableStack, counts):
-    """Admission of the count[0] segments (_admit_kernel): (claim_keys, seen, refused), N
-    entries each. A segment without a row in a table that admits is new; its count is
-    counted (its counter row's score, found its slot there) plus uses; at the table's
-    threshold it is admitted and its counter slot emptied, below it refused (claim_key:
-    its id, for the claim that stores the counts; else the reserved key). counts: per
-    table admissions, admission rejections, and rejections less the refused ids."""
+def admission_gate(tids, counted, uses, count, admits, thresholds):
+    """Before the claim of the count[0] segments (_gate_kernel): (seen, barred), N entries
+    each: each id's count (counted, its counter row's score, plus uses), and whether the
+    claim may not insert it (its table admits and the count is below its threshold)."""
+    n = tids.numel()
+    seen = torch.empty(n, dtype=torch.int64, device=tids.device)
+    barred = torch.empty(n, dtype=torch.bool, device=tids.device)
+    launch(
+        _gate_kernel, (cdiv(n, SCAN_BLOCK),),
+        tids, counted, uses, count, n, admits, thresholds, seen, barred.view(torch.int8), BLOCK=SCAN_BLOCK,
+    )
+    return seen, barred
+
+
+def admit(keys, tids, slots, inserted, found, seen, count, admits, thresholds, counter_stack: TableStack, counts):
+    """Admission of the count[0] segments after their claim (_admit_kernel): claim_keys, N
+    entries. A segment not stored before the claim (inserted by it, or slot < 0) in a table
+    that admits is new; its count is seen (admission_gate's). At the table's threshold it
+    was admitted and its counter slot (found) is emptied; below it, refused (claim_key: its
+    id, for the claim that stores the counts; else the reserved key). counts: per table
+    admissions, admission rejections, and rejections less the refused ids."""
     n = keys.numel()
-    claim_keys, seen = torch.empty(2, n, dtype=torch.int64, device=keys.device).unbind()
-    refused = torch.empty(n, dtype=torch.bool, device=keys.device)
+    claim_keys = torch.empty(n, dtype=torch.int64, device=keys.device)
     launch(
         _admit_kernel, (cdiv(n, SCAN_BLOCK),),
-        keys, tids, slots, found, counted, uses, count, n, admits, thresholds, counter_stack.desc,
-        counts, claim_keys, seen, refused.view(torch.int8), counts.shape[0], BLOCK=SCAN_BLOCK,
+        keys, tids, slots, inserted.view(torch.int8), found, seen, count, n, admits, thresholds, counter_stack.desc,
+        counts, claim_keys, counts.shape[0], BLOCK=SCAN_BLOCK,
     )
-    return claim_keys, seen, refused
+    return claim_keys
 
 
 def update_segments(number, rows, count, grads: Gradients, stack: TableStack, dim: int, optimizer) -> None:

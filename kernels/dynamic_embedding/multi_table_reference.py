@@ -99,15 +99,24 @@ def gather_embeddings_reference(number, rows, seg_keys, seg_tids, rowless, stack
         out[fresh] = _initial_embeddings(seg_keys[s], seeds[t], scales[t], dim)
 
 
-def admit_reference(keys, tids, slots, found, counted, uses, count, admits, thresholds, counter_stack, counts):
-    """Admission of the count[0] segments (see multi_table_kernels.admit): returns
-    (claim_keys, seen, refused), N entries each; empties the admitted ids' counter slots
-    and counts admissions, admission rejections and (less) rejections per table."""
+def admission_gate_reference(tids, counted, uses, count, admits, thresholds):
+    """(seen, barred) of the count[0] segments before their claim (see
+    multi_table_kernels.admission_gate); past the count, seen is 0 and barred unset."""
+    n = tids.numel()
+    live = torch.arange(n, device=tids.device) < count[0]
+    t = torch.where(live, tids, 0).to(torch.int64)
+    seen = torch.where(live, counted + uses, 0)
+    return seen, live & (admits[t] != 0) & (seen < thresholds[t])
+
+
+def admit_reference(keys, tids, slots, inserted, found, seen, count, admits, thresholds, counter_stack, counts):
+    """Admission of the count[0] segments after their claim (see multi_table_kernels.admit):
+    returns claim_keys (N,); empties the admitted ids' counter slots and counts
+    admissions, admission rejections and (less) rejections per table."""
     n = keys.numel()
     live = torch.arange(n, device=keys.device) < count[0]
     t = torch.where(live, tids, 0).to(torch.int64)
-    new = live & (slots < 0) & (admits[t] != 0)
-    seen = torch.where(live, counted + uses, 0)
+    new = live & ((slots < 0) | inserted) & (admits[t] != 0)
     admitted = new & (seen >= thresholds[t])
     refused = new & ~admitted
     claim_keys = torch.where(refused, keys, EMPTY_KEY)
@@ -123,7 +132,7 @@ def admit_reference(keys, tids, slots, found, counted, uses, count, admits, thre
         counts[table, ADMISSIONS] += took
         counts[table, ADMISSION_REJECTIONS] += left
         counts[table, REJECTIONS] -= left
-    return claim_keys, seen, refused
+    return claim_keys
 
 
 def update_segments_reference(number, rows, count, grads, stack, dim: int, optimizer) -> None:

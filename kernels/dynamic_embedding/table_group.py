@@ -7,8 +7,9 @@ policies and admission thresholds. A group of step-scored tables (lru, epoch_lru
 passes one score per table to the claim; where a member counts uses (lfu, epoch_lfu) or
 is scored by the caller (custom, `lookup(..., scores=)`), the claim gets a score per id,
 computed on the device from the ids' stored scores, which the probe returns. A member with
-an admission threshold counts its new ids in its counter table first (_admit_kernel);
-those below the threshold go to the claim as the reserved key, which it never stores.
+an admission threshold counts its ids in its counter table first: the claim may find an
+id whose count is below the threshold but not insert it (admission_gate); after the
+claim, the ids it did not find are settled (admit: counts stored or dropped).
 
 A group's lookup numbers its lanes (one id of one table each) by distinct id, then
 launches each kernel once for all its tables over the distinct ids (lookup and claim of
@@ -27,9 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .embedding import STEP_POLICIES, DynamicEmbedding, epoch_use_score
-from .hashing import EMPTY_KEY
 from .multi_table_kernels import (
-    Gradients, TableStack, admit, gather_embeddings, init_rows, number_segments, segment_rows, update_segments,
+    Gradients, TableStack, admission_gate, admit, gather_embeddings, init_rows, number_segments, segment_rows, update_segments,
 )
 from .claim_kernels import claim
 from .probe_kernels import GROW, READ_ONLY, probe
@@ -86,6 +86,16 @@ class _Stored:
     slots: torch.Tensor  # its slot in its table; < 0: not stored
     old: torch.Tensor | None  # its stored score (0 if not stored); None where no member counts uses
     uses: torch.Tensor  # the call's copies of its id
+
+
+@dataclass
+class _Gate:
+    """Admission before a claim, per segment (N entries, the first `count` used)."""
+
+    tids: torch.Tensor  # its table (0 past the count)
+    found: torch.Tensor  # its slot in its table's counter table; < 0: not counted yet
+    seen: torch.Tensor  # its count: the stored one plus the call's copies
+    barred: torch.Tensor  # the claim may find it but not insert it (below the threshold)
 
 
 class TableGroup:
@@ -167,14 +177,20 @@ class TableGroup:
 
     def _stored(self, r: _Routing) -> "_Stored":
         """Before the claim: where each segment's id is stored in its table, and its copies."""
-        n = r.keys.numel()
-        valid = torch.arange(n, device=self.device) < r.count
-        tids = torch.where(valid, r.tids, 0)  # segments past the count: table 0's (never written)
-        old = torch.zeros(n, dtype=torch.int64, device=self.device) if self.counting else None  # lfu scores read them
+        tids = self._valid_tids(r)
+        old = torch.zeros_like(r.keys) if self.counting else None  # lfu scores read them
         slots = probe(self._stack().desc, r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
-        uses = torch.zeros(n, dtype=torch.int64, device=self.device)
+        return _Stored(tids, slots, old, self._uses(r))
+
+    def _valid_tids(self, r: _Routing) -> torch.Tensor:
+        """Each segment's table; segments past the count: table 0's (never written)."""
+        return torch.where(torch.arange(r.keys.numel(), device=self.device) < r.count, r.tids, 0)
+
+    def _uses(self, r: _Routing) -> torch.Tensor:
+        """Each segment's copies in the call (N entries)."""
+        uses = torch.zeros_like(r.keys)
         uses.index_add_(0, r.number.long(), torch.ones_like(r.number, dtype=torch.int64))  # bincount waits for the GPU
-        return _Stored(tids, slots, old, uses)
+        return uses
 
     def _key_scores(self, r: _Routing, stored: "_Stored", lane_scores: torch.Tensor | None) -> torch.Tensor:
         """Each segment's score for the claim, as its table's DynamicEmbedding scores an id:
@@ -219,9 +235,11 @@ class TableGroup:
         if train:
             for m in self.members:
                 m.table.placements += 1  # the claim below inserts and evicts
-            stored = self._stored(r) if self.admitting or self.per_key_scores else None
-            refused = self._admission(r, stored) if self.admitting else None
-            slots, inserted = self._claim(r, self._claim_scores(r, stored, ids, scores), refused)
+            stored = self._stored(r) if self.per_key_scores else None
+            gate = self._gate(r, stored) if self.admitting else None
+            slots, inserted = self._claim(r, self._claim_scores(r, stored, ids, scores), gate.barred if gate else None)
+            if gate is not None:
+                self._admit(r, gate, slots, inserted)
             init_rows(r.keys, r.tids, slots, inserted, r.count, self._stack(), self._seeds, self._scales, self.dim)
         else:
             slots = probe(self._stack().desc, r.keys, self.bucket_size, 0, r.tids, count=r.count)
@@ -246,22 +264,30 @@ class TableGroup:
                                      for s, x in zip(scores, ids)])
         return self._key_scores(r, stored, lane_scores), 0, False
 
-    def _admission(self, r: _Routing, stored: _Stored) -> torch.Tensor:
-        """(N,) bool: the segments that may not have a row: new ids of members with an
-        admission threshold, counted as DynamicEmbedding._count_new counts them: their
-        stored count plus this call's copies; those below the threshold keep the count in
-        their member's counter table, the others are admitted and their count dropped
-        (_admit_kernel). Refused ids count as lookups, not as rejections. No host wait."""
+    def _gate(self, r: _Routing, stored: _Stored | None) -> _Gate:
+        """Before the claim, for members with an admission threshold, counted as
+        DynamicEmbedding._count_new counts their new ids: each segment's slot in its
+        member's counter table, its count (stored count plus this call's copies), and
+        whether the claim may not insert it (below the threshold). No host wait."""
         counters = self._counter_stack()
         counted = torch.zeros_like(r.keys)
-        found = probe(counters.desc, r.keys, self.bucket_size, 0, stored.tids, count=r.count, scores=counted)
-        claim_keys, seen, refused = admit(
-            r.keys, stored.tids, stored.slots, found, counted, stored.uses, r.count, self._admits, self._thresholds, counters,
+        tids = stored.tids if stored is not None else self._valid_tids(r)
+        found = probe(counters.desc, r.keys, self.bucket_size, 0, tids, count=r.count, scores=counted)
+        uses = stored.uses if stored is not None else self._uses(r)
+        seen, barred = admission_gate(tids, counted, uses, r.count, self._admits, self._thresholds)
+        return _Gate(tids, found, seen, barred)
+
+    def _admit(self, r: _Routing, gate: _Gate, slots: torch.Tensor, inserted: torch.Tensor) -> None:
+        """After the claim: new ids at their threshold were admitted (their counts
+        dropped), those below it refused (their counts stored in the counter tables).
+        Refused ids count as lookups, not as rejections."""
+        counters = self._counter_stack()
+        claim_keys = admit(
+            r.keys, gate.tids, slots, inserted, gate.found, gate.seen, r.count, self._admits, self._thresholds, counters,
             self._counts,
         )
         # the refused ids' counts stored (the claim skips the reserved key: the others)
-        claim(counters.desc, claim_keys, seen, self.bucket_size, stored.tids, count=r.count, victims=False)
-        return refused
+        claim(counters.desc, claim_keys, gate.seen, self.bucket_size, gate.tids, count=r.count, victims=False)
 
     def _counter_stack(self) -> TableStack:
         """The members' counter tables (a member without one: another's; no key of that
@@ -271,16 +297,14 @@ class TableGroup:
         return self._cached("counter_desc", tuple(t.keys.data_ptr() for t in mine),
                             lambda: TableStack(torch.stack([t.descriptor() for t in mine]), mine))
 
-    def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], refused: torch.Tensor | None = None):
+    def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], barred: torch.Tensor | None = None):
         """find_or_insert of the segments' ids in their tables with `scored` (_claim_scores),
         growing the tables that need it (then again): their slots and whether each was
-        inserted. refused: segments not to store (passed to the claim as the reserved key,
-        which it never stores)."""
+        inserted. barred: segments found if stored, never inserted."""
         scores, offset, per_table = scored
-        keys = r.keys if refused is None else torch.where(refused, EMPTY_KEY, r.keys)
         slots, inserted, _, _, _ = claim(
-            self._stack().desc, keys, scores, self.bucket_size, r.tids, table_scores=per_table,
-            counts=self._counts, count=r.count, victims=False, score_offset=offset,
+            self._stack().desc, r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
+            counts=self._counts, count=r.count, victims=False, score_offset=offset, barred=barred,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:
@@ -299,7 +323,7 @@ class TableGroup:
             return slots, inserted
         for t in grow:
             t._grow()
-        again, inserted_again = self._claim(r, scored, refused)
+        again, inserted_again = self._claim(r, scored, barred)
         return again, inserted | inserted_again
 
     def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None) -> None:
