@@ -3,7 +3,7 @@ a CPU, at full size on a GPU), and the twin's masks and gradients on their own."
 import pytest
 import torch
 
-from kernels.hstu_attention import allowed_pairs, hstu_attention, reference, time_buckets
+from kernels.hstu_attention import allowed_pairs, hstu_attention, reference, time_buckets, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 4 if DEVICE == "cuda" else 1  # sequences and length on a GPU
@@ -12,6 +12,13 @@ NUM_BUCKETS = 128
 
 
 pytestmark = pytest.mark.usefixtures("poisoned_memory")  # (conftest.py)
+
+
+@pytest.fixture
+def two_bucket_tiles(monkeypatch):
+    """The kernels' loop of tiles spanning two time buckets at most, whatever the length
+    (it runs from triton_kernels.TWO_BUCKET_MIN_LENGTH on)."""
+    monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0)
 
 
 def case(seed, lengths, heads, dqk, dv, max_seq_len, dtype, targets=False):
@@ -77,6 +84,13 @@ def test_triton_attention_matches_the_twin_forward_and_backward(lengths, dtype, 
     assert close(got, want, TOLERANCE[dtype])
     for name, g in want_grads.items():
         assert close(got_grads[name], g, TOLERANCE[dtype] * 4), name
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 0), (True, 3)])
+@pytest.mark.usefixtures("two_bucket_tiles")
+def test_with_two_bucket_tiles_on_every_length_matches_the_twin(lengths, targets, context_len):
+    test_triton_attention_matches_the_twin_forward_and_backward(lengths, torch.float32, 2, 50, 64, targets, context_len)
 
 
 def test_the_masks_and_buckets_are_the_stated_ones():
@@ -195,6 +209,7 @@ def test_time_buckets_are_exact_at_every_edge():
 
 
 @pytest.mark.parametrize("targets", [False, True])
+@pytest.mark.usefixtures("two_bucket_tiles")
 def test_tiles_whose_gaps_span_one_or_two_buckets_match_the_twin(targets):
     """Sequences whose second half starts a jump after the first (gaps across it run from
     the jump to about 400 past it): tiles across the jump hold gaps of one bucket (a jump
@@ -226,3 +241,56 @@ def test_tiles_whose_gaps_span_one_or_two_buckets_match_the_twin(targets):
     assert close(got, want, TOLERANCE[torch.float32])
     for name, g in want_grads.items():
         assert close(got_grads[name], g, TOLERANCE[torch.float32] * 4), name
+
+
+@pytest.mark.usefixtures("two_bucket_tiles")
+def test_tiles_whose_gaps_span_three_buckets_match_the_twin():
+    """Sequences of evenly spaced timestamps (a step per sequence): a tile two blocks
+    below the diagonal holds gaps from about 128 to 255 steps, two to four buckets, and
+    must not be taken for a tile of two; outputs and every gradient equal the twin's."""
+    steps = [7, 9, 11, 13, 17, 19, 23, 29, 31, 37]
+    n, heads, dim = 256, 1, 16
+    stamps = torch.cat([s * torch.arange(n) + 1000 * i for i, s in enumerate(steps)])
+    # buckets of the last query block against the first key block, per sequence
+    spans = [int(time_buckets(s * torch.arange(n), NUM_BUCKETS)[192:, :64].unique().numel()) for s in steps]
+    assert 3 in spans, spans  # the case the test is for
+    gen = torch.Generator().manual_seed(1)
+    total = n * len(steps)
+    tensors = dict(
+        q=torch.randn(total, heads, dim, generator=gen), k=torch.randn(total, heads, dim, generator=gen),
+        v=torch.randn(total, heads, dim, generator=gen), timestamps=stamps,
+        position_bias=torch.randn(2 * n - 1, generator=gen), time_bias=torch.randn(NUM_BUCKETS + 1, generator=gen),
+    )
+    tensors = {name: t.to(DEVICE).requires_grad_(name != "timestamps") for name, t in tensors.items()}
+    offsets = torch.arange(0, total + 1, n).to(DEVICE)
+    upstream = torch.randn(total, heads, dim, generator=gen).to(DEVICE)
+    got, got_grads = run("triton", tensors, offsets, n, None, 0, upstream)
+    want, want_grads = run("reference", tensors, offsets, n, None, 0, upstream)
+    assert close(got, want, TOLERANCE[torch.float32])
+    for name, g in want_grads.items():
+        assert close(got_grads[name], g, TOLERANCE[torch.float32] * 4), name
+
+
+def test_timestamp_extremes_match_the_twin():
+    """The prepass's least and greatest timestamp per block of rows (offsets from each
+    sequence's first), empty sequences and a partial last block included."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([0, 1, 31, 32, 33, 100, 0, 257])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(DEVICE)
+    timestamps = torch.randint(-2**40, 2**40, (int(lengths.sum()),), generator=gen).to(DEVICE)
+    got = triton_kernels.timestamp_extremes(offsets, timestamps, 300, 128)
+    want = reference.timestamp_extremes(offsets, timestamps, 300, 128)
+    assert got.shape == want.shape == (8, 12, 2) and torch.equal(got, want)
+
+
+def test_bucket_thresholds_are_the_least_gaps_of_each_bucket():
+    """Each threshold is the least whole gap the twin places in its bucket or above (a
+    bucket may be empty: the first two edges are both 2)."""
+    thresholds = triton_kernels.bucket_thresholds(NUM_BUCKETS)
+    assert len(thresholds) == NUM_BUCKETS + 2 and thresholds[-1] == float("inf")
+    exact = [(b, int(t)) for b, t in enumerate(thresholds[1:-1], 1) if t < 2**53]
+    assert len(exact) > 100
+    gaps = torch.tensor([[0, t - 1, 0, t] for _, t in exact]).reshape(-1, 2)
+    placed = time_buckets(gaps, NUM_BUCKETS)[:, 0, 1].reshape(-1, 2)  # (t - 1, t) per bucket
+    bucket = torch.tensor([b for b, _ in exact])
+    assert bool((placed[:, 1] >= bucket).all() and (placed[:, 0] < bucket).all())  # t in bucket b or above, t - 1 below

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 TIME_BUCKET_LOG = 0.301  # time gaps are bucketed by log(gap) / this (about log 2: doublings)
 LENGTH_GROUPS = 4  # padded batches of similar lengths the sequences are run in
+EXTREMES_BLOCK = 32  # rows per block of timestamp_extremes (time_buckets.EXTREMES_BLOCK)
 
 
 def _allowed(lengths: torch.Tensor, num_targets: torch.Tensor, context_len: int, width: int) -> torch.Tensor:
@@ -57,6 +58,23 @@ def time_buckets(timestamps: torch.Tensor, num_buckets: int) -> torch.Tensor:
     gap = (timestamps[..., :, None] - timestamps[..., None, :]).abs_().to(torch.float32)
     edges = torch.tensor(time_bucket_edges(num_buckets)[1:num_buckets + 1], dtype=torch.float32, device=gap.device)
     return torch.bucketize(gap, edges, right=True)  # the edges at or below each gap
+
+
+def timestamp_extremes(offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int, span: int) -> torch.Tensor:
+    """(B, blocks, 2) float64: the least and greatest timestamp, less its sequence's first,
+    of each block of EXTREMES_BLOCK rows of each sequence ((+inf, -inf) past its end);
+    blocks cover max_seq_len rounded up to a multiple of span. The twin of
+    time_buckets.timestamp_extremes, the attention kernels' prepass."""
+    sequences, blocks = offsets.numel() - 1, -(-max_seq_len // span) * span // EXTREMES_BLOCK
+    out = torch.empty(sequences, blocks, 2, dtype=torch.float64)
+    out[..., 0], out[..., 1] = math.inf, -math.inf
+    for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        if end == start:
+            continue
+        rows = (timestamps[start:end] - timestamps[start]).double().cpu()
+        for k, block in enumerate(rows.split(EXTREMES_BLOCK)):
+            out[b, k] = torch.stack([block.min(), block.max()])
+    return out.to(offsets.device)
 
 
 def gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

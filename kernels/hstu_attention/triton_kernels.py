@@ -10,22 +10,25 @@ Backward, two kernels that recompute the scores: one per key block (dK, dV), one
 block (dQ and the biases' gradients, added by atomic adds into copies of float32 tables
 that are summed after the launch).
 
-Each kernel walks its tiles in two loops: the tiles whose every pair is allowed (wholly
-below the diagonal and inside the history) skip the mask; the rest (the diagonal, the
-targets, the context prefix, a sequence's last partial block) compute it. Timestamps enter
+Each kernel walks its tiles in three loops: the tiles whose every pair is allowed (wholly
+below the diagonal and inside the history) skip the mask, and of those, the run farthest
+from the diagonal whose gaps span two time buckets at most takes the bucket from one
+comparison per pair (time_buckets.py; from a length class of TWO_BUCKET_MIN_LENGTH); the
+rest (the diagonal, the targets, the context prefix, a sequence's last partial block)
+compute the mask. Timestamps enter
 as float64 offsets from the sequence's first one, exact below 2^53 time units, so each
 pair's gap is one float64 subtraction that rounds to float32 as the twin's int64 gap does.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ..autotune import TunedLaunches, autotuned, interpreting
 from ..launch import cdiv, next_power_of_2
-from .reference import TIME_BUCKET_LOG, time_bucket_edges
+from .reference import time_bucket_edges
+from .time_buckets import (
+    _gap_bucket, _tile_buckets, _two_bucket_blocks, bucket_thresholds, timestamp_extremes,
+)
 
 # blocks of query and key rows, warps and pipeline stages, tuned per head dims and length
 CONFIGS = [
@@ -33,50 +36,22 @@ CONFIGS = [
     for m, n, w, st in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3))
 ]
 INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+LARGEST_BLOCK = max(max(c.kwargs.values()) for c in CONFIGS)  # the timestamp extremes cover a sequence in such blocks
+# Tiles spanning two time buckets at most take a loop of their own (time_buckets.py) where
+# max_seq_len's power of two (the tuning key's length class) is at least this: shorter
+# sequences have few tiles far enough from the diagonal, and the prepass and the
+# per-program scan cost them more than those tiles save.
+TWO_BUCKET_MIN_LENGTH = 1024
 TUNING_KEY = ["DQK", "DV", "length_class"]  # length_class: max_seq_len's power of two
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
-# On a GPU, the hardware's approximations: log2 for the time buckets (tl.log2 is a
-# polynomial of a dozen multiplies per pair; the bucket is then made exact) and, for 16-bit
-# inputs, tanh (relative error about 2^-11, below those inputs' rounding) for the sigmoid
-# in one instruction instead of an exp and a division. The interpreter has neither.
+# On a GPU, for 16-bit inputs, the hardware's tanh (relative error about 2^-11, below those
+# inputs' rounding) for the sigmoid in one instruction instead of an exp and a division.
+# The interpreter has none.
 _FAST_MATH = tl.constexpr(not interpreting())
-_LOG2_TO_BUCKET = tl.constexpr(math.log(2) / TIME_BUCKET_LOG)  # log(gap) / TIME_BUCKET_LOG = log2(gap) · this
-# log2(gap) · _LOG2_TO_BUCKET is within 1e-5 of the exact value (the approximate log2 and
-# float32 rounding): a pair this close to a whole number is placed by its bucket's edge
-_NEAR_EDGE = tl.constexpr(1e-3)
-_ROUNDER = tl.constexpr(1.5 * 2**23)  # x + this keeps round(x) in the sum's low bits (|x| < 2^22)
-_ROUNDER_BITS = tl.constexpr(0x4B400000)  # the float32 bits of _ROUNDER
 # The dQ kernel adds the biases' gradients into this many copies of each, a program into
 # copy (its linear id mod this), summed after the launch: with one copy, programs adding at
 # the same positions or buckets at once wait on each other's atomic adds.
 BIAS_GRAD_COPIES = tl.constexpr(64)
-
-
-@triton.jit
-def _whole(x):
-    """(x rounded to the nearest whole number as float32, and as int32) for |x| < 2^22:
-    adding 1.5 · 2^23 leaves the rounded value in the low bits of the sum, whose bits less
-    the constant's are the integer; two adds and an integer subtraction, where floor and
-    float-to-int conversions run on the multiprocessor's quarter-rate unit."""
-    y = x + _ROUNDER
-    return y - _ROUNDER, y.to(tl.int32, bitcast=True) - _ROUNDER_BITS
-
-
-@triton.jit
-def _time_bucket(gap, edges_ptr, num_buckets):
-    """The twin's bucket of float32 gaps >= 1: floor of an approximate log, and where that
-    is near a whole number r, by comparing the gap with bucket r's least gap (edges_ptr:
-    reference.time_bucket_edges in float32). Away from whole numbers, rounding x - 0.5 is
-    the floor."""
-    if _FAST_MATH:
-        x = libdevice.fast_log2f(gap) * _LOG2_TO_BUCKET
-    else:
-        x = tl.log2(gap) * _LOG2_TO_BUCKET
-    nearest, r = _whole(x)
-    near = tl.abs(x - nearest) < _NEAR_EDGE
-    edge = tl.load(edges_ptr + tl.minimum(r, num_buckets + 1), mask=near, other=0.0)
-    bucket = tl.where(near, r - (gap < edge).to(tl.int32), _whole(x - 0.5)[1])
-    return tl.minimum(bucket, num_buckets)
 
 
 @triton.jit
@@ -88,14 +63,24 @@ def _sigmoid(x, SIXTEEN_BIT: tl.constexpr):
 
 
 @triton.jit
-def _biased_scores(q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets):
+def _biased_scores(
+    q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+    TWO_BUCKETS: tl.constexpr,
+):
     """(float32 scores q · kᵀ plus both biases, each pair's position index, its time
     bucket) of query rows `rows` against key rows `cols` of one sequence; t_rows, t_cols:
-    their float64 timestamp offsets."""
+    their float64 timestamp offsets. TWO_BUCKETS, a tile whose gaps span two buckets at
+    most (time_buckets._tile_buckets): the time bias is `high` where a pair's gap reaches
+    `threshold`, else `low`, and the third value says which."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32")
     rel = tl.minimum(tl.maximum(cols[None, :] - rows[:, None], 1 - max_seq_len), max_seq_len - 1) + max_seq_len - 1
-    bucket = _time_bucket(tl.maximum(tl.abs(t_rows[:, None] - t_cols[None, :]).to(tl.float32), 1.0), edges_ptr, num_buckets)
-    s += tl.load(position_ptr + rel).to(tl.float32) + tl.load(time_ptr + bucket).to(tl.float32)
+    gap = tl.abs(t_rows[:, None] - t_cols[None, :])
+    if TWO_BUCKETS:
+        bucket = gap >= threshold
+        s += tl.load(position_ptr + rel).to(tl.float32) + tl.where(bucket, high, low)
+    else:
+        bucket = _gap_bucket(gap, edges_ptr, num_buckets)
+        s += tl.load(position_ptr + rel).to(tl.float32) + tl.load(time_ptr + bucket).to(tl.float32)
     return s, rel, bucket
 
 
@@ -152,11 +137,36 @@ def _row_block(
 
 @triton.jit
 def _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK: tl.constexpr, HAS_TARGETS: tl.constexpr):
-    """(this program's first row, head, its sequence's start, length, history end and
-    first timestamp)."""
+    """(this program's first row, head, sequence, its sequence's start, length, history end
+    and first timestamp)."""
     b = tl.program_id(1) // heads
     start, n, history_end, t0 = _sequence(offsets_ptr, targets_ptr, timestamps_ptr, b, HAS_TARGETS)
-    return tl.program_id(0) * BLOCK, tl.program_id(1) % heads, start, n, history_end, t0
+    return tl.program_id(0) * BLOCK, tl.program_id(1) % heads, b, start, n, history_end, t0
+
+
+@triton.jit
+def _live_range(t, live):
+    """(least, greatest) of t where live."""
+    return tl.min(tl.where(live, t, float("inf")), axis=0), tl.max(tl.where(live, t, float("-inf")), axis=0)
+
+
+@triton.jit
+def _two_bucket_keys(
+    ext_ptr, ext_blocks, b, t_rows, row_live, full, edges_ptr, num_buckets, BLOCK_N: tl.constexpr,
+    TWO_BUCKET_TILES: tl.constexpr,
+):
+    """For query rows of sequence b (timestamps t_rows where row_live) and their unmasked
+    key blocks, those before `full`: (the end of the run of them from the first whose
+    tiles span two time buckets at most, 0 without TWO_BUCKET_TILES; the rows' least and
+    greatest timestamp; the sequence's first extremes entry)."""
+    lo, hi = _live_range(t_rows, row_live)
+    entry = b * ext_blocks
+    split = 0
+    if TWO_BUCKET_TILES:
+        split = _two_bucket_blocks(
+            ext_ptr, entry, 0, full // BLOCK_N, lo, hi, edges_ptr, num_buckets, BLOCK_N, True,
+        ) * BLOCK_N
+    return split, lo, hi, entry
 
 
 @triton.jit
@@ -182,12 +192,15 @@ def _query_ranges(n0, n, history_end, context_len, BLOCK_M: tl.constexpr, BLOCK_
 @triton.jit
 def _forward_tile(
     acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale,
-    MASKED: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
+    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     cols, _, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
-    s, _, _ = _biased_scores(q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets)
+    s, _, _ = _biased_scores(
+        q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+        TWO_BUCKETS,
+    )
     a = s * _sigmoid(s, v.dtype != tl.float32) * scale
     if MASKED:
         a = tl.where(_allowed(rows, cols, n, history_end, context_len), a, 0.0)
@@ -197,11 +210,11 @@ def _forward_tile(
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
-    heads, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len, scale, length_class,
+    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    m0, h, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS)
+    m0, h, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS)
     if m0 >= n:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -211,15 +224,31 @@ def _forward_kernel(
     t_rows = (tl.load(timestamps_ptr + start + rows, mask=row_live, other=t0) - t0).to(tl.float64)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
-    for n0 in range(0, full, BLOCK_N):
+    # the unmasked key blocks from the first: those whose tiles span two buckets at most, then the rest
+    split, lo, hi, entry = _two_bucket_keys(
+        ext_ptr, ext_blocks, b, t_rows, row_live, full, edges_ptr, num_buckets, BLOCK_N, TWO_BUCKET_TILES,
+    )
+    if TWO_BUCKET_TILES:
+        for n0 in range(0, split, BLOCK_N):
+            _, threshold, low, high = _tile_buckets(
+                ext_ptr, entry, n0, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets, BLOCK_N,
+            )
+            acc = _forward_tile(
+                acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
+                time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
+                False, True, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            )
+    for n0 in range(split, full, BLOCK_N):
         acc = _forward_tile(
             acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
-            time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, False, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
+            False, False, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     for n0 in range(full, end, BLOCK_N):
         acc = _forward_tile(
             acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
-            time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, True, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
+            True, False, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     out_at, out_mask = _head_rows(out_ptr, start, rows, row_live, heads, h, DV, BLOCK_DV)
     tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -237,12 +266,15 @@ def _score_grads(s, do, v, scale):
 @triton.jit
 def _backward_kv_tile(
     dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale,
-    MASKED: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
+    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     rows, _, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
-    s, _, _ = _biased_scores(q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets)
+    s, _, _ = _biased_scores(
+        q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+        TWO_BUCKETS,
+    )
     a, ds = _score_grads(s, do, v, scale)
     if MASKED:
         allowed = _allowed(rows, cols, n, history_end, context_len)
@@ -256,12 +288,12 @@ def _backward_kv_tile(
 @triton.jit
 def _backward_kv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
-    heads, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len, scale, length_class,
+    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK and dV of a block of key rows: Σ over the query rows that attend to them."""
-    n0, h, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_N, HAS_TARGETS)
+    n0, h, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_N, HAS_TARGETS)
     if n0 >= n:
         return
     cols, col_live, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
@@ -271,13 +303,33 @@ def _backward_kv_kernel(
     for m0 in range(first, tl.minimum(full, n), BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
             dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, True, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
+            True, False, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
-    for m0 in range(full, n, BLOCK_M):
+    # the unmasked query blocks: the rest, then those to the last whose tiles span two buckets at most
+    lo, hi = _live_range(t_cols, col_live)
+    entry = b * ext_blocks
+    split = n
+    if TWO_BUCKET_TILES:
+        split = tl.minimum(_two_bucket_blocks(
+            ext_ptr, entry, tl.cdiv(full, BLOCK_M), tl.cdiv(n, BLOCK_M), lo, hi, edges_ptr, num_buckets, BLOCK_M, False,
+        ) * BLOCK_M, n)
+    for m0 in range(full, split, BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
             dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, False, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
+            False, False, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
+    if TWO_BUCKET_TILES:
+        for m0 in range(split, n, BLOCK_M):
+            _, threshold, low, high = _tile_buckets(
+                ext_ptr, entry, m0, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets, BLOCK_M,
+            )
+            dk_acc, dv_acc = _backward_kv_tile(
+                dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+                position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
+                False, True, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            )
     dk_at, dk_mask = _head_rows(dk_ptr, start, cols, col_live, heads, h, DQK, BLOCK_DQK)
     tl.store(dk_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=dk_mask)
     dv_at, dv_mask = _head_rows(dv_ptr, start, cols, col_live, heads, h, DV, BLOCK_DV)
@@ -304,14 +356,27 @@ def _add_time_grads(grad_ptr, ds, bucket, counted, num_buckets):
 
 
 @triton.jit
+def _add_two_bucket_grads(grad_ptr, ds, upper, bucket, num_buckets):
+    """Adds the sums of ds over a tile's pairs of bucket `bucket` and of `bucket` + 1
+    (upper) into grad_ptr: summed along rows within each warp, then across warps in one
+    reduction."""
+    sums = tl.sum(tl.join(tl.sum(tl.where(upper, 0.0, ds), axis=1), tl.sum(tl.where(upper, ds, 0.0), axis=1)), axis=0)
+    at = bucket + tl.arange(0, 2)
+    tl.atomic_add(grad_ptr + at, sums, mask=at <= num_buckets, sem="relaxed")
+
+
+@triton.jit
 def _backward_q_tile(
     dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
     position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len, scale,
-    MASKED: tl.constexpr, BIAS_GRADS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    tile_bucket, threshold, low, high, MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, BIAS_GRADS: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     cols, _, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
-    s, rel, bucket = _biased_scores(q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets)
+    s, rel, bucket = _biased_scores(
+        q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+        TWO_BUCKETS,
+    )
     _, ds = _score_grads(s, do, v, scale)
     if MASKED:
         counted = _allowed(rows, cols, n, history_end, context_len)
@@ -322,36 +387,54 @@ def _backward_q_tile(
         # (copies of both gradients are the rows of one tensor: the two pointers are into its first row)
         copy = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) % BIAS_GRAD_COPIES * (2 * max_seq_len + num_buckets)
         tl.atomic_add(position_grad_ptr + copy + rel, ds, mask=counted, sem="relaxed")
-        _add_time_grads(time_grad_ptr + copy, ds, bucket, counted, num_buckets)
+        if TWO_BUCKETS:  # (an unmasked tile: ds is 0 where not counted)
+            _add_two_bucket_grads(time_grad_ptr + copy, ds, bucket, tile_bucket, num_buckets)
+        else:
+            _add_time_grads(time_grad_ptr + copy, ds, bucket, counted, num_buckets)
     return dq_acc + tl.dot(ds.to(k.dtype), k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
 
 
 @triton.jit
 def _backward_q_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
-    position_grad_ptr, time_grad_ptr, heads, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, BIAS_GRADS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    position_grad_ptr, time_grad_ptr, thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len,
+    scale, length_class, HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, BIAS_GRADS: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ of a block of query rows, and (BIAS_GRADS) its pairs' share of the biases'
     gradients."""
-    m0, h, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS)
+    m0, h, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS)
     if m0 >= n:
         return
     rows, row_live, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
-    for n0 in range(0, full, BLOCK_N):
+    # as the forward: the unmasked key blocks whose tiles span two buckets at most, then the rest
+    split, lo, hi, entry = _two_bucket_keys(
+        ext_ptr, ext_blocks, b, t_rows, row_live, full, edges_ptr, num_buckets, BLOCK_N, TWO_BUCKET_TILES,
+    )
+    if TWO_BUCKET_TILES:
+        for n0 in range(0, split, BLOCK_N):
+            tile_bucket, threshold, low, high = _tile_buckets(
+                ext_ptr, entry, n0, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets, BLOCK_N,
+            )
+            dq_acc = _backward_q_tile(
+                dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+                position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len,
+                scale, tile_bucket, threshold, low, high, False, True, BIAS_GRADS, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            )
+    for n0 in range(split, full, BLOCK_N):
         dq_acc = _backward_q_tile(
             dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
             position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len, scale,
-            False, BIAS_GRADS, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            0, 0.0, 0.0, 0.0, False, False, BIAS_GRADS, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     for n0 in range(full, end, BLOCK_N):
         dq_acc = _backward_q_tile(
             dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
             position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len, scale,
-            True, BIAS_GRADS, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            0, 0.0, 0.0, 0.0, True, False, BIAS_GRADS, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     dq_at, dq_mask = _head_rows(dq_ptr, start, rows, row_live, heads, h, DQK, BLOCK_DQK)
     tl.store(dq_at, dq_acc.to(dq_ptr.dtype.element_ty), mask=dq_mask)
@@ -371,14 +454,29 @@ def _grid(rows_block: str, programs: int, max_seq_len: int):
     return lambda meta: (cdiv(max_seq_len, meta[rows_block]), programs)
 
 
-_edges: dict = {}  # (num_buckets, device): time_bucket_edges as a float32 tensor there
+def _two_bucket_tiles(max_seq_len: int) -> bool:
+    return next_power_of_2(max_seq_len) >= TWO_BUCKET_MIN_LENGTH
 
 
-def _bucket_edges(time_bias: torch.Tensor) -> torch.Tensor:
+_tables: dict = {}  # (num_buckets, device): the bucket edges and thresholds there (_time_tables)
+
+
+def _time_tables(time_bias: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int) -> tuple:
+    """What the kernels read to bucket gaps: time_bucket_edges as float32,
+    time_buckets.bucket_thresholds as float64 (both made once per number of buckets and
+    device), and, where two-bucket tiles run (_two_bucket_tiles), the sequences'
+    timestamp extremes per block with their blocks per sequence (else the thresholds and
+    0, unread)."""
     key = (time_bias.numel() - 1, time_bias.device)
-    if key not in _edges:
-        _edges[key] = torch.tensor(time_bucket_edges(key[0]), dtype=torch.float32, device=key[1])
-    return _edges[key]
+    if key not in _tables:
+        _tables[key] = (
+            torch.tensor(time_bucket_edges(key[0]), dtype=torch.float32, device=key[1]),
+            torch.tensor(bucket_thresholds(key[0]), dtype=torch.float64, device=key[1]),
+        )
+    if not _two_bucket_tiles(max_seq_len):
+        return (*_tables[key], _tables[key][1], 0)
+    ext = timestamp_extremes(offsets, timestamps, max_seq_len, LARGEST_BLOCK)
+    return (*_tables[key], ext, ext.shape[1])
 
 
 def _launch_shape(q, v, offsets, max_seq_len):
@@ -400,11 +498,12 @@ def hstu_attention(
     out = v.new_empty(v.shape)
     if out.numel() and programs:
         length_class = next_power_of_2(max_seq_len)
-        constants = dict(HAS_TARGETS=num_targets is not None, **dims)
+        constants = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), **dims)
         _forward(
             _grid("BLOCK_M", programs, max_seq_len),
             (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
-             _bucket_edges(time_bias), heads, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class),
+             *_time_tables(time_bias, offsets, timestamps, max_seq_len), heads, max_seq_len, time_bias.numel() - 1,
+             context_len, 1.0 / max_seq_len, length_class),
             constants,
         )
     return out
@@ -427,16 +526,17 @@ def hstu_attention_backward(
     position_grad, time_grad = copies.split(bias_sizes, dim=1)
     if q.shape[0] and programs:
         targets = num_targets if num_targets is not None else offsets
-        length_class, edges = next_power_of_2(max_seq_len), _bucket_edges(time_bias)
-        common = dict(HAS_TARGETS=num_targets is not None, **dims)
-        sizes = (heads, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, length_class)
+        edges, *buckets = _time_tables(time_bias, offsets, timestamps, max_seq_len)
+        common = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), **dims)
+        sizes = (heads, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
         _backward_kv(
             _grid("BLOCK_N", programs, max_seq_len),
-            (q, k, v, grad, dk, dvv, offsets, timestamps, targets, position_bias, time_bias, edges, *sizes), common,
+            (q, k, v, grad, dk, dvv, offsets, timestamps, targets, position_bias, time_bias, edges, *buckets, *sizes), common,
         )
         _backward_q(
             _grid("BLOCK_M", programs, max_seq_len),
-            (q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, edges, position_grad, time_grad, *sizes),
+            (q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, edges, position_grad, time_grad,
+             *buckets, *sizes),
             dict(BIAS_GRADS=bias_grads, **common),
         )
     if not bias_grads:
