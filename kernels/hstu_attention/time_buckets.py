@@ -164,13 +164,19 @@ def _two_bucket_blocks(
 
 
 @triton.jit
-def _tile_buckets(ext_ptr, entry, first, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets, BLOCK: tl.constexpr):
-    """For the tile of the block of BLOCK rows from row `first` of the sequence whose
-    extremes start at `entry`, against rows whose timestamps lie in [lo, hi], a tile that
-    spans two buckets at most (_two_bucket_blocks): (its lower bucket b, the least whole
-    gap of bucket b + 1 as float64, the biases of b and of b + 1)."""
+def _tile_extremes(ext_ptr, entry, first, BLOCK: tl.constexpr):
+    """(least, greatest) timestamp of the block of BLOCK rows from row `first` of the
+    sequence whose extremes start at entry `entry`."""
     at = entry + first // EXTREMES_BLOCK
-    b_lo, b_hi = _block_extremes(ext_ptr, at, at >= 0, BLOCK // EXTREMES_BLOCK)
+    return _block_extremes(ext_ptr, at, at >= 0, BLOCK // EXTREMES_BLOCK)
+
+
+@triton.jit
+def _tile_buckets(b_lo, b_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets):
+    """For the tile of a block whose timestamps lie in [b_lo, b_hi] (_tile_extremes) against
+    rows whose timestamps lie in [lo, hi], a tile that spans two buckets at most
+    (_two_bucket_blocks): (its lower bucket b, the least whole gap of bucket b + 1 as
+    float64, the biases of b and of b + 1)."""
     least, _ = _distances(lo, hi, b_lo, b_hi)
     bucket = _gap_bucket(least, edges_ptr, num_buckets)
     low = tl.load(time_ptr + bucket).to(tl.float32)

@@ -27,7 +27,7 @@ from ..autotune import TunedLaunches, autotuned, interpreting
 from ..launch import cdiv, next_power_of_2
 from .reference import time_bucket_edges
 from .time_buckets import (
-    _gap_bucket, _tile_buckets, _two_bucket_blocks, bucket_thresholds, timestamp_extremes,
+    _gap_bucket, _tile_buckets, _tile_extremes, _two_bucket_blocks, bucket_thresholds, timestamp_extremes,
 )
 
 # blocks of query and key rows, warps and pipeline stages, tuned per head dims and length
@@ -55,11 +55,13 @@ BIAS_GRAD_COPIES = tl.constexpr(64)
 
 
 @triton.jit
-def _sigmoid(x, SIXTEEN_BIT: tl.constexpr):
+def _sigmoid(x, scale, SIXTEEN_BIT: tl.constexpr):
+    """scale · sigmoid(x) (the scale joins the tanh form's one multiply-add)."""
     if _FAST_MATH and SIXTEEN_BIT:
         tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=tl.float32, is_pure=True, pack=1)
-        return 0.5 * tanh + 0.5
-    return tl.sigmoid(x)
+        half = 0.5 * scale
+        return half * tanh + half
+    return tl.sigmoid(x) * scale
 
 
 @triton.jit
@@ -73,7 +75,9 @@ def _biased_scores(
     most (time_buckets._tile_buckets): the time bias is `high` where a pair's gap reaches
     `threshold`, else `low`, and the third value says which."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32")
-    rel = tl.minimum(tl.maximum(cols[None, :] - rows[:, None], 1 - max_seq_len), max_seq_len - 1) + max_seq_len - 1
+    # j - i + max_seq_len - 1, with rows and columns (past a sequence's end too) kept below
+    # max_seq_len so that it stays inside the table: an add per pair
+    rel = tl.minimum(cols, max_seq_len - 1)[None, :] + (max_seq_len - 1 - tl.minimum(rows, max_seq_len - 1))[:, None]
     gap = tl.abs(t_rows[:, None] - t_cols[None, :])
     if TWO_BUCKETS:
         bucket = gap >= threshold
@@ -201,7 +205,7 @@ def _forward_tile(
         q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
         TWO_BUCKETS,
     )
-    a = s * _sigmoid(s, v.dtype != tl.float32) * scale
+    a = s * _sigmoid(s, scale, v.dtype != tl.float32)
     if MASKED:
         a = tl.where(_allowed(rows, cols, n, history_end, context_len), a, 0.0)
     return acc + tl.dot(a.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else "tf32")
@@ -229,10 +233,11 @@ def _forward_kernel(
         ext_ptr, ext_blocks, b, t_rows, row_live, full, edges_ptr, num_buckets, BLOCK_N, TWO_BUCKET_TILES,
     )
     if TWO_BUCKET_TILES:
+        # (each tile's block extremes are loaded while the tile before it computes)
+        k_lo, k_hi = _tile_extremes(ext_ptr, entry, 0, BLOCK_N)
         for n0 in range(0, split, BLOCK_N):
-            _, threshold, low, high = _tile_buckets(
-                ext_ptr, entry, n0, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets, BLOCK_N,
-            )
+            _, threshold, low, high = _tile_buckets(k_lo, k_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets)
+            k_lo, k_hi = _tile_extremes(ext_ptr, entry, tl.minimum(n0 + BLOCK_N, split - BLOCK_N), BLOCK_N)
             acc = _forward_tile(
                 acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
                 time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
@@ -258,7 +263,7 @@ def _forward_kernel(
 def _score_grads(s, do, v, scale):
     """(A, dS) before the mask: the attention weights and the scores' gradient, given
     dO · Vᵀ's inputs."""
-    sig = _sigmoid(s, v.dtype != tl.float32)
+    sig = _sigmoid(s, 1.0, v.dtype != tl.float32)
     da = tl.dot(do, tl.trans(v), input_precision="ieee" if v.dtype == tl.float32 else "tf32")
     return s * sig * scale, da * sig * (1 + s * (1 - sig)) * scale
 
@@ -321,10 +326,11 @@ def _backward_kv_kernel(
             False, False, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     if TWO_BUCKET_TILES:
+        last = (tl.cdiv(n, BLOCK_M) - 1) * BLOCK_M  # (the last query block: no extremes are read past it)
+        q_lo, q_hi = _tile_extremes(ext_ptr, entry, tl.minimum(split, last), BLOCK_M)  # (a tile ahead, as the forward)
         for m0 in range(split, n, BLOCK_M):
-            _, threshold, low, high = _tile_buckets(
-                ext_ptr, entry, m0, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets, BLOCK_M,
-            )
+            _, threshold, low, high = _tile_buckets(q_lo, q_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets)
+            q_lo, q_hi = _tile_extremes(ext_ptr, entry, tl.minimum(m0 + BLOCK_M, last), BLOCK_M)
             dk_acc, dv_acc = _backward_kv_tile(
                 dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
                 position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
@@ -415,10 +421,10 @@ def _backward_q_kernel(
         ext_ptr, ext_blocks, b, t_rows, row_live, full, edges_ptr, num_buckets, BLOCK_N, TWO_BUCKET_TILES,
     )
     if TWO_BUCKET_TILES:
+        k_lo, k_hi = _tile_extremes(ext_ptr, entry, 0, BLOCK_N)  # (a tile ahead, as the forward)
         for n0 in range(0, split, BLOCK_N):
-            tile_bucket, threshold, low, high = _tile_buckets(
-                ext_ptr, entry, n0, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets, BLOCK_N,
-            )
+            tile_bucket, threshold, low, high = _tile_buckets(k_lo, k_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets)
+            k_lo, k_hi = _tile_extremes(ext_ptr, entry, tl.minimum(n0 + BLOCK_N, split - BLOCK_N), BLOCK_N)
             dq_acc = _backward_q_tile(
                 dq_acc, q, do, rows, row_live, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
                 position_ptr, time_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, max_seq_len, num_buckets, context_len,
