@@ -92,7 +92,7 @@ class _Stored:
 class _Gate:
     """Admission before a claim, per segment (N entries, the first `count` used)."""
 
-    tids: torch.Tensor  # its table (0 past the count)
+    tids: torch.Tensor  # its table (the kernels read only the first `count`)
     found: torch.Tensor  # its slot in its table's counter table; < 0: not counted yet
     seen: torch.Tensor  # its count: the stored one plus the call's copies
     barred: torch.Tensor  # the claim may find it but not insert it (below the threshold)
@@ -177,14 +177,11 @@ class TableGroup:
 
     def _stored(self, r: _Routing) -> "_Stored":
         """Before the claim: where each segment's id is stored in its table, and its copies."""
-        tids = self._valid_tids(r)
+        # segments past the count: table 0's (never written; _key_scores indexes by them)
+        tids = torch.where(torch.arange(r.keys.numel(), device=self.device) < r.count, r.tids, 0)
         old = torch.zeros_like(r.keys) if self.counting else None  # lfu scores read them
         slots = probe(self._stack().desc, r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
         return _Stored(tids, slots, old, self._uses(r))
-
-    def _valid_tids(self, r: _Routing) -> torch.Tensor:
-        """Each segment's table; segments past the count: table 0's (never written)."""
-        return torch.where(torch.arange(r.keys.numel(), device=self.device) < r.count, r.tids, 0)
 
     def _uses(self, r: _Routing) -> torch.Tensor:
         """Each segment's copies in the call (N entries)."""
@@ -271,7 +268,7 @@ class TableGroup:
         whether the claim may not insert it (below the threshold). No host wait."""
         counters = self._counter_stack()
         counted = torch.zeros_like(r.keys)
-        tids = stored.tids if stored is not None else self._valid_tids(r)
+        tids = stored.tids if stored is not None else r.tids  # (past the count, unread)
         found = probe(counters.desc, r.keys, self.bucket_size, 0, tids, count=r.count, scores=counted)
         uses = stored.uses if stored is not None else self._uses(r)
         seen, barred = admission_gate(tids, counted, uses, r.count, self._admits, self._thresholds)

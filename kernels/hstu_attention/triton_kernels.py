@@ -15,9 +15,9 @@ below the diagonal and inside the history) skip the mask, and of those, the run 
 from the diagonal whose gaps span two time buckets at most takes the bucket from one
 comparison per pair (time_buckets.py; from a length class of TWO_BUCKET_MIN_LENGTH); the
 rest (the diagonal, the targets, the context prefix, a sequence's last partial block)
-compute the mask. Timestamps enter
-as float64 offsets from the sequence's first one, exact below 2^53 time units, so each
-pair's gap is one float64 subtraction that rounds to float32 as the twin's int64 gap does.
+compute the mask. Timestamps enter as float64 offsets from the sequence's first one, exact
+below 2^53 time units, so each pair's gap is one float64 subtraction that rounds to
+float32 as the twin's int64 gap does.
 """
 import torch
 import triton
@@ -155,21 +155,23 @@ def _live_range(t, live):
 
 
 @triton.jit
-def _two_bucket_keys(
-    ext_ptr, ext_blocks, b, t_rows, row_live, full, edges_ptr, num_buckets, BLOCK_N: tl.constexpr,
+def _two_bucket_run(
+    ext_ptr, ext_blocks, b, t, live, first, end, edges_ptr, num_buckets, BLOCK: tl.constexpr, FROM_START: tl.constexpr,
     TWO_BUCKET_TILES: tl.constexpr,
 ):
-    """For query rows of sequence b (timestamps t_rows where row_live) and their unmasked
-    key blocks, those before `full`: (the end of the run of them from the first whose
-    tiles span two time buckets at most, 0 without TWO_BUCKET_TILES; the rows' least and
-    greatest timestamp; the sequence's first extremes entry)."""
-    lo, hi = _live_range(t_rows, row_live)
+    """For a program's rows of sequence b (timestamps t where live) and the unmasked blocks
+    of BLOCK rows they meet, rows `first` (a multiple of BLOCK, or `end`) to `end`: (the
+    row where the run of those blocks whose tiles span two time buckets at most ends
+    (FROM_START: the run from `first`) or starts (else: the run to `end`), the run empty
+    without TWO_BUCKET_TILES; the rows' least and greatest timestamp; the sequence's first
+    extremes entry)."""
+    lo, hi = _live_range(t, live)
     entry = b * ext_blocks
-    split = 0
+    split = first if FROM_START else end
     if TWO_BUCKET_TILES:
-        split = _two_bucket_blocks(
-            ext_ptr, entry, 0, full // BLOCK_N, lo, hi, edges_ptr, num_buckets, BLOCK_N, True,
-        ) * BLOCK_N
+        split = tl.minimum(_two_bucket_blocks(
+            ext_ptr, entry, tl.cdiv(first, BLOCK), tl.cdiv(end, BLOCK), lo, hi, edges_ptr, num_buckets, BLOCK, FROM_START,
+        ) * BLOCK, end)
     return split, lo, hi, entry
 
 
@@ -229,8 +231,8 @@ def _forward_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
     # the unmasked key blocks from the first: those whose tiles span two buckets at most, then the rest
-    split, lo, hi, entry = _two_bucket_keys(
-        ext_ptr, ext_blocks, b, t_rows, row_live, full, edges_ptr, num_buckets, BLOCK_N, TWO_BUCKET_TILES,
+    split, lo, hi, entry = _two_bucket_run(
+        ext_ptr, ext_blocks, b, t_rows, row_live, 0, full, edges_ptr, num_buckets, BLOCK_N, True, TWO_BUCKET_TILES,
     )
     if TWO_BUCKET_TILES:
         # (each tile's block extremes are loaded while the tile before it computes)
@@ -312,13 +314,9 @@ def _backward_kv_kernel(
             True, False, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     # the unmasked query blocks: the rest, then those to the last whose tiles span two buckets at most
-    lo, hi = _live_range(t_cols, col_live)
-    entry = b * ext_blocks
-    split = n
-    if TWO_BUCKET_TILES:
-        split = tl.minimum(_two_bucket_blocks(
-            ext_ptr, entry, tl.cdiv(full, BLOCK_M), tl.cdiv(n, BLOCK_M), lo, hi, edges_ptr, num_buckets, BLOCK_M, False,
-        ) * BLOCK_M, n)
+    split, lo, hi, entry = _two_bucket_run(
+        ext_ptr, ext_blocks, b, t_cols, col_live, full, n, edges_ptr, num_buckets, BLOCK_M, False, TWO_BUCKET_TILES,
+    )
     for m0 in range(full, split, BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
             dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
@@ -417,8 +415,8 @@ def _backward_q_kernel(
     dq_acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
     # as the forward: the unmasked key blocks whose tiles span two buckets at most, then the rest
-    split, lo, hi, entry = _two_bucket_keys(
-        ext_ptr, ext_blocks, b, t_rows, row_live, full, edges_ptr, num_buckets, BLOCK_N, TWO_BUCKET_TILES,
+    split, lo, hi, entry = _two_bucket_run(
+        ext_ptr, ext_blocks, b, t_rows, row_live, 0, full, edges_ptr, num_buckets, BLOCK_N, True, TWO_BUCKET_TILES,
     )
     if TWO_BUCKET_TILES:
         k_lo, k_hi = _tile_extremes(ext_ptr, entry, 0, BLOCK_N)  # (a tile ahead, as the forward)
