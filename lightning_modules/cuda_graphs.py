@@ -13,8 +13,9 @@ than max_seq_len. No real row attends to a padding row, and the padding rows' ou
 dropped, so the real rows' outputs and every gradient are those of the unpadded batch.
 
 Graphs replace only the training forward and backward with gradients to the input rows;
-evaluation, CPU tensors and batches outside the buckets run the model as it is. The
-module uses graphs in a single process only (HSTULightningModule.setup).
+evaluation, CPU tensors and batches outside the buckets run the model as it is. Under DDP
+the graphs hold no collective: the graphed backward returns each weight's gradient and
+DDP's all-reduce hooks fire on them as on an eager backward's.
 """
 import bisect
 import math

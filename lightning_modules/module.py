@@ -5,8 +5,10 @@ a genre table beside it: item_embedding.py). Manual optimization: each step embe
 batch's items and the step's negatives, runs the model, back-propagates once (DDP
 all-reduces dense gradients), steps AdamW on the dense weights, and hands the embedding
 gradients to the tables' fused sparse optimizers (which route them to the ranks owning
-the rows). In one process on a GPU the model's forward and backward replay CUDA graphs
-(cuda_graphs.py), and only every log_every_n_steps-th step logs (a log waits for the GPU).
+the rows). On GPUs the model's forward and backward replay CUDA graphs (cuda_graphs.py;
+under DDP too: the graphed backward hands each weight its gradient, and DDP's all-reduce
+hooks run on them outside the graph), and only every log_every_n_steps-th step logs (a
+log waits for the GPU).
 
 Both offer `rankers(catalog)`, what validation scores (callbacks.Validation).
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from .config import HSTUConfig
 from .cuda_graphs import GraphedHSTU
@@ -46,6 +49,8 @@ class HSTULightningModule(L.LightningModule):
         self.config = config
         self.model = HSTU(config)
         self.register_buffer("catalog", catalog.to(torch.int64), persistent=False)
+        # every rank reads the same catalog: DDP need not broadcast it before every forward
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, ["catalog"])
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.features = features if config.item_features else None
         self.items: ItemEmbedding | None = None
@@ -58,8 +63,9 @@ class HSTULightningModule(L.LightningModule):
         if self.items is None:
             self.items = self._new_items()
         c, trainer = self.config, self.trainer
-        if self.graphed is None and c.cuda_graph_buckets and trainer.strategy.root_device.type == "cuda" and trainer.world_size == 1:
-            self.graphed = GraphedHSTU(self.model, c.batch_size, c.cuda_graph_buckets)
+        if self.graphed is None and c.cuda_graph_buckets and trainer.strategy.root_device.type == "cuda":
+            # a graph's batch is one process's: batch_size counts the sequences of all of them
+            self.graphed = GraphedHSTU(self.model, c.batch_size // trainer.world_size, c.cuda_graph_buckets)
 
     def _new_items(self) -> ItemEmbedding:
         # the strategy's device: the module itself may not have moved there yet

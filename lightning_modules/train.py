@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float)
     p.add_argument("--dropout", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--cuda-graph-buckets", type=int,
+                   help="on GPUs, CUDA graphs of the model's training step, one per bucket of padded rows (0: none; default: the preset's)")
     p.add_argument("--item-features", action=argparse.BooleanOptionalAction, default=None,
                    help="pool each item's genres (items.parquet) into its embedding (default: the preset's setting)")
     p.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
@@ -81,7 +83,9 @@ def model_config(args, catalog_size: int):
     given = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "lr": args.lr, "dropout": args.dropout, "seed": args.seed}
     if args.model == "sasrec":
         return SASRecConfig(num_items=catalog_size, **{k: v for k, v in given.items() if v is not None})
-    return preset(args.preset).override(num_negatives=args.num_negatives, item_features=args.item_features, **given)
+    return preset(args.preset).override(
+        num_negatives=args.num_negatives, item_features=args.item_features, cuda_graph_buckets=args.cuda_graph_buckets, **given
+    )
 
 
 def main(argv=None) -> Path:

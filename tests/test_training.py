@@ -90,3 +90,23 @@ def test_a_worker_killed_during_a_checkpoint_resumes_from_the_previous_one(tmp_p
     assert round_["interrupted_checkpoint"], "no kill landed during a checkpoint"
     assert round_["resumed_from_complete"] and round_["resume_logged"] and round_["leftovers_removed"]
     assert round_["rows_bit_equal"]
+
+
+def test_ddp_broadcasts_no_buffer_of_the_hstu_module():
+    """The catalog buffer is the same on every rank: DDP, which broadcasts a module's
+    buffers before every forward, leaves it out (and still syncs every weight)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_modules.config import HSTUConfig
+    from lightning_modules.module import HSTULightningModule
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = HSTULightningModule(HSTUConfig(embedding_dim=8, attention_dim=4, linear_dim=4), torch.arange(1, 50))
+        ddp = DistributedDataParallel(module)
+        assert [name for name, _ in module.named_buffers()] == ["catalog"]
+        assert ddp.modules_buffers == []
+        assert {id(p) for p in ddp.parameters() if p.requires_grad} == {id(p) for p in module.model.parameters()}
+    finally:
+        dist.destroy_process_group()
