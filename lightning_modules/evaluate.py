@@ -169,11 +169,14 @@ def evaluate_rankers(
                 if ranker.max_seq_len == window:
                     scores = ranker.scores(batch["item_ids"], batch["timestamps"], batch["lengths"].clamp(min=1))
                     ranks[name].append(target_ranks(scores, target, exclude))
+    # the sums travel on a device the group's backend reduces on (NCCL: CUDA only)
+    nccl = distributed and dist.get_backend(group) == dist.Backend.NCCL
+    on = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     out = {}
     for name, r in ranks.items():
         r = torch.cat(r) if r else torch.empty(0, dtype=torch.int64)
         sums = metric_sums(r)
-        totals = torch.tensor([*sums.values(), r.numel()], dtype=torch.float64)
+        totals = torch.tensor([*sums.values(), r.numel()], dtype=torch.float64, device=on)
         if distributed:
             dist.all_reduce(totals, group=group)
         n = int(totals[-1])
