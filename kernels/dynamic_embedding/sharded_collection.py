@@ -9,9 +9,10 @@ together: the tables of one model (an item table and its side features' tables).
 This rank's tables are one DynamicEmbeddingCollection, so its tables share launches. With
 several ranks a call routes the distinct ids of every table to their owners (by key hash,
 as ShardedDynamicEmbedding does) in one exchange for all tables: one all-to-all of counts
-(one host wait), one of ids, one of rows back (rows of narrower tables padded to the
-widest), and for the update one of gradients (means over ranks), the update reusing its
-lookup's routing for the same ids. The owners serve what they receive as one call of
+(the call's one host wait), one of ids, one of rows back (rows of narrower tables padded
+to the widest), and for the update one of gradients (each distinct id's copies summed
+before they travel; means over ranks), the update reusing its lookup's routing for the
+same ids. The owners serve what they receive as one call of
 their collection. `tables[name]` is each table's own sharded view (dump, load, stats).
 Every rank makes the same calls with the same tables.
 """
@@ -24,20 +25,20 @@ from .collection import DynamicEmbeddingCollection
 from .embedding import EmbeddingConfig, TableStats
 from .sharded import ShardedDynamicEmbedding
 from .hashing import shard_of
-from .table import sum_by_key
 
 
 @dataclass
 class _Route:
-    """One call's distinct ids of every table, where they go and what comes back."""
+    """One call's ids of every table: which distinct ids are sent where, and what comes back."""
 
     names: list[str]
     ids: tuple  # the id tensors routed (an update of the same ones reuses this)
     versions: tuple
-    inverse: list[torch.Tensor]  # per table: each id's distinct id
-    sizes: list[int]  # per table: distinct ids
-    order: torch.Tensor  # the distinct ids of all tables, sorted by (owner, table)
-    send: list[int]  # per rank: ids sent
+    sizes: list[int]  # per table: ids in the call
+    slot: torch.Tensor  # (Σ sizes,) each id's place among the distinct ids sent
+    order: torch.Tensor  # the call's ids sorted by (owner, table, key): their places in the call
+    run: torch.Tensor  # slot of each id in that sorted order (runs of equal ids)
+    send: list[int]  # per rank: distinct ids sent
     recv: list[int]  # per rank: ids received
     perm: torch.Tensor  # the received ids sorted by table (stable)
     recv_ids: dict  # per table: the ids this rank serves
@@ -67,15 +68,12 @@ class ShardedDynamicEmbeddingCollection:
         r = self._route(ids)
         self._routed = r
         served = self.local.lookup(r.recv_ids, train)
-        packed = torch.zeros(r.perm.numel(), r.width, device=self.device)
+        packed = torch.empty(r.perm.numel(), r.width, device=self.device)
         packed[r.perm] = self._padded([served[n] for n in r.names], r.width)
-        back = self._exchange(packed, r.recv, r.send)  # in the order sent
-        rows = torch.empty_like(back)
-        rows[r.order] = back
-        out = {}
-        for n, part, inverse in zip(r.names, rows.split(r.sizes), r.inverse):
-            out[n] = part[:, : self.tables[n].dim][inverse]
-        return out
+        back = self._exchange(packed, r.recv, r.send)  # the distinct ids' rows, in the order sent
+        return {
+            n: back[slot][:, : self.tables[n].dim] for n, slot in zip(r.names, r.slot.split(r.sizes))
+        }
 
     def apply_gradients(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
         """One optimizer step per table in ids, with the mean of the ranks' gradients."""
@@ -87,15 +85,24 @@ class ShardedDynamicEmbeddingCollection:
         r, self._routed = self._routed, None
         if r is None or not self._same(r, ids):
             r = self._route(ids)
-        summed = [
-            sum_by_key(ids[n].to(self.device), grads[n].to(self.device, torch.float32), self.local[n].table.deterministic)[1]
-            for n in r.names
-        ]
-        sent = self._padded(summed, r.width)[r.order] / self.world_size
+        sent = self._sum_copies(r, [grads[n].to(self.device, torch.float32) for n in r.names]) / self.world_size
         received = self._exchange(sent, r.send, r.recv)[r.perm]
         self.local.apply_gradients(r.recv_ids, {
             n: part[:, : self.tables[n].dim] for n, part in zip(r.names, received.split([x.numel() for x in r.recv_ids.values()]))
         })
+
+    def _sum_copies(self, r: _Route, grads: list[torch.Tensor]) -> torch.Tensor:
+        """(distinct ids, width): each distinct id's gradient rows summed (narrower tables'
+        padded with zeros); in the call's order where a table is deterministic, else with
+        atomics on CUDA."""
+        distinct = sum(r.send)
+        if any(self.local[n].table.deterministic for n in r.names) and r.slot.numel():
+            lengths = torch.zeros(distinct, dtype=torch.int64, device=self.device).index_add_(0, r.run, torch.ones_like(r.run))
+            return torch.segment_reduce(self._padded(grads, r.width)[r.order], "sum", lengths=lengths, axis=0)
+        out = torch.zeros(distinct, r.width, device=self.device)
+        for g, slot in zip(grads, r.slot.split(r.sizes)):
+            out[:, : g.shape[1]].index_add_(0, slot, g)
+        return out
 
     # ---- routing --------------------------------------------------------------------------
     @staticmethod
@@ -103,24 +110,40 @@ class ShardedDynamicEmbeddingCollection:
         return list(ids) == r.names and all(a is b and a._version == v for a, b, v in zip(ids.values(), r.ids, r.versions))
 
     def _route(self, ids: dict[str, torch.Tensor]) -> _Route:
-        names, world, T = list(ids), self.world_size, len(ids)
-        uniq, inverse = zip(*(torch.unique(ids[n].to(self.device), return_inverse=True) for n in names))
-        keys = torch.cat(uniq)
-        tids = torch.repeat_interleave(torch.arange(T, device=self.device), torch.tensor([u.numel() for u in uniq], device=self.device))
+        """Each table's distinct ids to their owners. One host wait: the counts of the
+        exchange (sorts, not torch.unique, find the distinct ids, so that nothing else
+        reads a size back)."""
+        names, world, T, dev = list(ids), self.world_size, len(ids), self.device
+        sizes = [ids[n].numel() for n in names]
+        keys = torch.cat([ids[n].to(dev) for n in names])
+        tids = torch.cat([torch.full((k,), t, dtype=torch.int64, device=dev) for t, k in enumerate(sizes)])
         bins = shard_of(keys, world) * T + tids  # (owner, table)
-        bins, order = torch.sort(bins, stable=True)
-        send_counts = torch.bincount(bins, minlength=world * T)
+        by_key = torch.argsort(keys, stable=True)
+        order = by_key[torch.argsort(bins[by_key], stable=True)]  # by (owner, table, key)
+        skeys, sbins = keys[order], bins[order]
+        first = torch.ones_like(skeys, dtype=torch.bool)
+        first[1:] = (skeys[1:] != skeys[:-1]) | (sbins[1:] != sbins[:-1])
+        run = torch.cumsum(first, 0) - 1  # each sorted id's place among the distinct ids
+        slot = torch.empty_like(run)
+        slot[order] = run
+        distinct_keys = torch.empty_like(skeys)
+        distinct_keys[run] = skeys  # copies write the same key
+        # distinct ids per (owner, table): sbins is sorted, so each bin is one span of it; the
+        # distinct ids before a span's start, by a running count (no atomics on a few bins)
+        before = torch.cat([run.new_zeros(1), run + 1])
+        spans = torch.searchsorted(sbins, torch.arange(world * T + 1, device=dev))
+        send_counts = before[spans].diff()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         counts = torch.stack([send_counts, recv_counts]).view(2, world, T).cpu()  # the call's one host wait
         send, recv = counts[0].sum(1).tolist(), counts[1].sum(1).tolist()
-        received = self._exchange(keys[order], send, recv)  # per source rank, per table
-        recv_tids = torch.repeat_interleave(torch.arange(T).repeat(world), counts[1].reshape(-1)).to(self.device)
+        received = self._exchange(distinct_keys[: sum(send)], send, recv)  # per source rank, per table
+        recv_tids = torch.repeat_interleave(torch.arange(T, device=dev).repeat(world), recv_counts, output_size=sum(recv))
         perm = torch.argsort(recv_tids, stable=True)
         by_table = dict(zip(names, received[perm].split(counts[1].sum(0).tolist())))
         width = max(self.tables[n].dim for n in names)
-        return _Route(names, tuple(ids.values()), tuple(x._version for x in ids.values()), list(inverse),
-                      [u.numel() for u in uniq], order, send, recv, perm, by_table, width)
+        return _Route(names, tuple(ids.values()), tuple(x._version for x in ids.values()), sizes, slot, order, run,
+                      send, recv, perm, by_table, width)
 
     def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
@@ -129,6 +152,8 @@ class ShardedDynamicEmbeddingCollection:
 
     def _padded(self, parts: list[torch.Tensor], width: int) -> torch.Tensor:
         """Rows of several tables stacked, each padded with zeros to `width` columns."""
+        if all(p.shape[1] == width for p in parts):
+            return torch.cat(parts)
         out = torch.zeros(sum(p.shape[0] for p in parts), width, device=self.device)
         at = 0
         for p in parts:
