@@ -7,8 +7,9 @@ For each process count G the driver runs `torchrun --standalone --nproc-per-node
 file in worker mode (NCCL with NVLink multicast off, NCCL_NVLS_ENABLE=0, the machine's
 other NCCL settings kept; gloo on CPUs) and collects rank 0's row. The per-GPU batch is
 fixed (weak scaling); reported per G: ms per step, samples/s per GPU, the weak-scaling
-efficiency (per-GPU rate at G over the rate at 1), and the share of the step spent in
-communication.
+efficiency (per-GPU rate at G over the rate at 1), and the time spent in communication
+(ms per step and share of the step). A run that fails is reported as such and the others
+go ahead; the JSON is rewritten after every run.
 
 Workloads:
 - `embedding`: dynamicemb's workload on a ShardedDynamicEmbeddingCollection: 10 tables of
@@ -17,7 +18,8 @@ Workloads:
   (all-to-all of ids and rows), the given output gradient's backward and the sparse update
   (all-to-all of gradients). A sample is one id of every table.
 - `hstu`: training steps of the real LightningModule under DDP (the presets given; per-GPU
-  batch = the preset's), TFLOP/s as benchmarks/train_throughput.py counts them.
+  batch = the preset's; CUDA graphs as the preset sets them at every G, or as
+  `--cuda-graph-buckets` says), TFLOP/s as benchmarks/train_throughput.py counts them.
 
 Communication share: the step is timed twice, plain (the ms and samples/s reported), then
 with every collective (the embedding's all-to-alls, DDP's all-reduce through a comm hook)
@@ -26,6 +28,7 @@ collective costs the step when nothing overlaps it: an upper bound where DDP ove
 Prints a table and writes JSON to benchmarks/results/scaling_<device>.json.
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -82,6 +85,21 @@ class CommTimer:
         return work.get_future().then(lambda f: f.value()[0].div_(world))
 
 
+def comm(timer: CommTimer, instrumented_s: float, steps: int, world: int) -> dict:
+    """The instrumented pass's collectives: ms per step, and their share of its step."""
+    if world == 1:
+        return {"comm_ms_per_step": 0.0, "comm_share": 0.0}
+    return {"comm_ms_per_step": 1000 * timer.seconds / steps, "comm_share": timer.seconds / instrumented_s}
+
+
+def profiled(on: bool, device: str):
+    """torch.profiler over a pass where asked (--profile), else a context doing nothing."""
+    if not on:
+        return contextlib.nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    return torch.profiler.profile(activities=activities)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -122,17 +140,23 @@ def embedding_worker(args, device: str, timer: CommTimer) -> dict:
     seconds = []
     for instrumented in (False, True):
         timer.on, timer.seconds = instrumented, 0.0
+        profiler = profiled(args.profile and not instrumented and rank == 0, device)
         sync(device)
         start = time.perf_counter()
-        for i in range(args.steps):
-            step(batches[args.warmup + instrumented * args.steps + i])
-        sync(device)
+        with profiler:
+            for i in range(args.steps):
+                step(batches[args.warmup + instrumented * args.steps + i])
+            sync(device)
         seconds.append(time.perf_counter() - start)
+        if isinstance(profiler, torch.profiler.profile):
+            for sort in ("self_cpu_time_total", "self_device_time_total"):
+                print(f"embedding, {world} processes, rank 0's plain pass by {sort}:\n"
+                      + profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
     timer.on = False
     return {
         "workload": "embedding", "tables": TABLES, "dim": DIM, "ids_per_gpu": args.ids, "rows_per_gpu": args.rows,
         "ms_per_step": 1000 * seconds[0] / args.steps, "samples_per_s_per_gpu": args.ids * args.steps / seconds[0],
-        "comm_share": timer.seconds / seconds[1] if world > 1 else 0.0,
+        **comm(timer, seconds[1], args.steps, world),
     }
 
 
@@ -149,7 +173,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
 
     world = int(os.environ["WORLD_SIZE"])
     per_gpu = args.batch_size or preset(args.preset).batch_size
-    config = preset(args.preset).override(batch_size=per_gpu * world)
+    config = preset(args.preset).override(batch_size=per_gpu * world, cuda_graph_buckets=args.cuda_graph_buckets)
     data = SequenceDataModule(args.data_dir, config.max_seq_len, per_gpu, num_workers=2 if device == "cuda" else 0,
                               random_windows=config.random_windows)
     catalog = data.catalog()
@@ -157,10 +181,12 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     negatives = min(config.num_negatives, len(catalog))
 
     class Passes(L.Callback):
-        """Steps warmup .. warmup+steps plain, the next `steps` with collectives timed."""
+        """Steps warmup .. warmup+steps plain, the next `steps` with collectives timed. A
+        synchronize only where a pass starts or ends: a step need not wait for the last
+        one's kernels, as in training, so the timed batches' lengths stay on the device."""
 
         def __init__(self):
-            self.bounds, self.samples, self.flops = [], 0, 0.0
+            self.bounds, self.lengths = [], []
 
         def _mark(self, trainer):
             if device == "cuda":
@@ -175,9 +201,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if args.warmup < trainer.global_step <= args.warmup + args.steps:  # the plain pass's steps
-                lengths = batch["input_offsets"].diff().cpu().numpy()
-                self.samples += len(batch["lengths"])
-                self.flops += step_flops(config, lengths, negatives)
+                self.lengths.append(batch["input_offsets"].diff())
 
         def on_train_end(self, trainer, pl_module):
             self._mark(trainer)
@@ -193,10 +217,13 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     )
     trainer.fit(module, datamodule=data)
     plain_s, instrumented_s = passes.bounds[1] - passes.bounds[0], passes.bounds[2] - passes.bounds[1]
+    lengths = [x.cpu().numpy() for x in passes.lengths]
+    flops = sum(step_flops(config, x, negatives) for x in lengths)
     return {
         "workload": "hstu", "preset": args.preset, "batch_per_gpu": per_gpu, "max_seq_len": config.max_seq_len,
-        "ms_per_step": 1000 * plain_s / args.steps, "samples_per_s_per_gpu": passes.samples / plain_s,
-        "tflops_per_gpu": passes.flops / plain_s / 1e12, "comm_share": timer.seconds / instrumented_s if world > 1 else 0.0,
+        "cuda_graph_buckets": config.cuda_graph_buckets if device == "cuda" else 0,
+        "ms_per_step": 1000 * plain_s / args.steps, "samples_per_s_per_gpu": sum(len(x) for x in lengths) / plain_s,
+        "tflops_per_gpu": flops / plain_s / 1e12, **comm(timer, instrumented_s, args.steps, world),
     }
 
 
@@ -235,6 +262,8 @@ def hstu_data(root: Path, preset_name: str, users: int) -> Path:
 
 
 def launch(procs: int, worker_args: list[str], device: str) -> dict:
+    """Rank 0's row of one torchrun of `procs` workers, or {"error": ...} where it failed
+    (the other runs still go ahead)."""
     with tempfile.TemporaryDirectory() as tmp:
         row = Path(tmp) / "row.json"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -244,8 +273,18 @@ def launch(procs: int, worker_args: list[str], device: str) -> dict:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
                    "--worker", "--row", str(row), "--device", device, *worker_args]
-        subprocess.run(command, check=True, env=env)
+        done = subprocess.run(command, env=env)
+        if done.returncode or not row.exists():
+            return {"procs": procs, "error": f"torchrun exited with {done.returncode}"}
         return json.loads(row.read_text())
+
+
+def table_line(row: dict) -> str:
+    head = f"{row['workload']:<10}{row.get('preset', ''):<12}{row['procs']:>6}"
+    if "error" in row:
+        return f"{head}  {row['error']}"
+    return (f"{head}{row['ms_per_step']:>10.2f}{row['samples_per_s_per_gpu']:>16,.0f}{(row['efficiency'] or 0):>12.1%}"
+            f"{row['comm_ms_per_step']:>10.2f}{row['comm_share']:>12.1%}")
 
 
 def main(argv=None) -> None:
@@ -258,6 +297,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps, in each of the two passes")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, help="HSTU sequences per GPU (default: the preset's)")
+    p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
+    p.add_argument("--profile", action="store_true", help="print rank 0's top operations of the embedding's plain pass")
     p.add_argument("--out")
     # worker mode (torchrun runs this file again with these)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -276,30 +317,34 @@ def main(argv=None) -> None:
 
     sizes = SMALL if args.small else FULL
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.cuda_graph_buckets is not None:
+        common += ["--cuda-graph-buckets", str(args.cuda_graph_buckets)]
+    common += ["--profile"] if args.profile else []
+    runs = ["embedding"] if "embedding" in args.workloads else []
+    runs += args.presets if "hstu" in args.workloads else []
     rows = []
+    print(f"{'workload':<10}{'preset':<12}{'GPUs':>6}{'ms/step':>10}{'samples/s/GPU':>16}{'efficiency':>12}"
+          f"{'comm ms':>10}{'comm share':>12}", flush=True)
     with tempfile.TemporaryDirectory(prefix="scaling-") as tmp:
-        runs = []
-        if "embedding" in args.workloads:
-            runs.append(["--workload", "embedding", "--ids", str(sizes["ids"]), "--rows", str(sizes["rows"])])
-        if "hstu" in args.workloads:
-            for name in args.presets:
-                per_gpu = args.batch_size or preset(name).batch_size
-                users = per_gpu * max(args.procs) * (args.warmup + 2 * args.steps + 2)
-                data = hstu_data(Path(tmp), name, users)
-                runs.append(["--workload", "hstu", "--preset", name, "--data-dir", str(data)]
-                            + (["--batch-size", str(args.batch_size)] if args.batch_size else []))
         for run in runs:
+            if run == "embedding":
+                worker_args = ["--workload", "embedding", "--ids", str(sizes["ids"]), "--rows", str(sizes["rows"])]
+            else:  # each preset's data just before its runs
+                per_gpu = args.batch_size or preset(run).batch_size
+                data = hstu_data(Path(tmp), run, per_gpu * max(args.procs) * (args.warmup + 2 * args.steps + 2))
+                worker_args = ["--workload", "hstu", "--preset", run, "--data-dir", str(data)]
+                worker_args += ["--batch-size", str(args.batch_size)] if args.batch_size else []
             base = None
             for procs in args.procs:
-                row = launch(procs, run + common, args.device)
-                base = base or (row["samples_per_s_per_gpu"] if procs == 1 else None)
-                row["efficiency"] = row["samples_per_s_per_gpu"] / base if base else None
+                row = {"workload": "embedding" if run == "embedding" else "hstu"} | ({} if run == "embedding" else {"preset": run})
+                row |= launch(procs, worker_args + common, args.device)
+                if "error" not in row:
+                    base = base or (row["samples_per_s_per_gpu"] if procs == 1 else None)
+                    row["efficiency"] = row["samples_per_s_per_gpu"] / base if base else None
                 rows.append(row)
-                print(f"{row['workload']:<10}{row.get('preset', ''):<12}{procs:>6}{row['ms_per_step']:>10.2f}"
-                      f"{row['samples_per_s_per_gpu']:>16,.0f}{(row['efficiency'] or 0):>12.1%}{row['comm_share']:>12.1%}",
-                      flush=True)
-    device = args.device
-    write_results("scaling", rows, args.out, device=device, procs=args.procs, small=args.small)
+                print(table_line(row), flush=True)
+                # after every run, so that a run cut short keeps the rows before it
+                write_results("scaling", rows, args.out, device=args.device, procs=args.procs, small=args.small)
 
 
 if __name__ == "__main__":

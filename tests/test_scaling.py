@@ -13,8 +13,18 @@ def test_scaling_runs_both_workloads_on_one_and_two_processes(tmp_path):
     assert [(r["workload"], r["procs"]) for r in rows] == [("embedding", 1), ("embedding", 2), ("hstu", 1), ("hstu", 2)]
     for r in rows:
         assert r["ms_per_step"] > 0 and r["samples_per_s_per_gpu"] > 0 and 0 <= r["comm_share"] < 1
+        assert r["comm_ms_per_step"] >= 0 and (r["comm_ms_per_step"] > 0) == (r["comm_share"] > 0) and "error" not in r
         assert r["efficiency"] > 0
     one, two = [r for r in rows if r["workload"] == "embedding"]
     assert one["efficiency"] == 1.0 and one["comm_share"] == 0.0 and two["comm_share"] > 0  # two ranks exchange ids and rows
     hstu = [r for r in rows if r["workload"] == "hstu"]
     assert hstu[1]["comm_share"] > 0 and hstu[0]["tflops_per_gpu"] > 0  # DDP's all-reduce, timed through its comm hook
+
+
+def test_a_failed_run_is_reported_as_such(tmp_path):
+    """A worker that fails (here: no data) gives a row saying so, not an exception that
+    would lose the runs after it."""
+    row = scaling.launch(1, ["--workload", "hstu", "--preset", "hstu", "--data-dir", str(tmp_path / "missing"),
+                             "--steps", "1", "--warmup", "1"], "cpu")
+    assert row == {"procs": 1, "error": "torchrun exited with 1"}
+    assert "torchrun exited with 1" in scaling.table_line({"workload": "hstu", "preset": "hstu"} | row)
