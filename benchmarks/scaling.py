@@ -92,12 +92,19 @@ def comm(timer: CommTimer, instrumented_s: float, steps: int, world: int) -> dic
     return {"comm_ms_per_step": 1000 * timer.seconds / steps, "comm_share": timer.seconds / instrumented_s}
 
 
-def profiled(on: bool, device: str):
-    """torch.profiler over a pass where asked (--profile), else a context doing nothing."""
+@contextlib.contextmanager
+def profiled(on: bool, device: str, label: str):
+    """Where asked (--profile): torch.profiler over the block, then its top operations
+    printed by host and by device time. Its start and stop stay outside a timed window
+    inside the block, but the operations it records run slower."""
     if not on:
-        return contextlib.nullcontext()
+        yield
+        return
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-    return torch.profiler.profile(activities=activities)
+    with torch.profiler.profile(activities=activities) as profiler:
+        yield
+    for sort in ("self_cpu_time_total", "self_device_time_total"):
+        print(f"{label}, rank 0's plain pass by {sort}:\n" + profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
 
 
 def sync(device: str) -> None:
@@ -140,18 +147,13 @@ def embedding_worker(args, device: str, timer: CommTimer) -> dict:
     seconds = []
     for instrumented in (False, True):
         timer.on, timer.seconds = instrumented, 0.0
-        profiler = profiled(args.profile and not instrumented and rank == 0, device)
-        sync(device)
-        start = time.perf_counter()
-        with profiler:
+        with profiled(args.profile and not instrumented and rank == 0, device, f"embedding, {world} processes"):
+            sync(device)
+            start = time.perf_counter()
             for i in range(args.steps):
                 step(batches[args.warmup + instrumented * args.steps + i])
             sync(device)
-        seconds.append(time.perf_counter() - start)
-        if isinstance(profiler, torch.profiler.profile):
-            for sort in ("self_cpu_time_total", "self_device_time_total"):
-                print(f"embedding, {world} processes, rank 0's plain pass by {sort}:\n"
-                      + profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+            seconds.append(time.perf_counter() - start)
     timer.on = False
     return {
         "workload": "embedding", "tables": TABLES, "dim": DIM, "ids_per_gpu": args.ids, "rows_per_gpu": args.rows,
@@ -187,6 +189,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
 
         def __init__(self):
             self.bounds, self.lengths = [], []
+            self.profiler = profiled(args.profile and int(os.environ["RANK"]) == 0, device, f"{args.preset}, {world} processes")
 
         def _mark(self, trainer):
             if device == "cuda":
@@ -195,9 +198,13 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
             self.bounds.append(time.perf_counter())
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == args.warmup:
+                self.profiler.__enter__()
             if trainer.global_step in (args.warmup, args.warmup + args.steps):
                 self._mark(trainer)
                 timer.on, timer.seconds = trainer.global_step > args.warmup, 0.0
+            if trainer.global_step == args.warmup + args.steps:
+                self.profiler.__exit__(None, None, None)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if args.warmup < trainer.global_step <= args.warmup + args.steps:  # the plain pass's steps
@@ -283,7 +290,8 @@ def table_line(row: dict) -> str:
     head = f"{row['workload']:<10}{row.get('preset', ''):<12}{row['procs']:>6}"
     if "error" in row:
         return f"{head}  {row['error']}"
-    return (f"{head}{row['ms_per_step']:>10.2f}{row['samples_per_s_per_gpu']:>16,.0f}{(row['efficiency'] or 0):>12.1%}"
+    efficiency = f"{row['efficiency']:>12.1%}" if row["efficiency"] is not None else f"{'-':>12}"  # no 1-GPU run to divide by
+    return (f"{head}{row['ms_per_step']:>10.2f}{row['samples_per_s_per_gpu']:>16,.0f}{efficiency}"
             f"{row['comm_ms_per_step']:>10.2f}{row['comm_share']:>12.1%}")
 
 
@@ -298,7 +306,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, help="HSTU sequences per GPU (default: the preset's)")
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
-    p.add_argument("--profile", action="store_true", help="print rank 0's top operations of the embedding's plain pass")
+    p.add_argument("--profile", action="store_true", help="print rank 0's top operations in each run's plain pass (which then runs slower)")
     p.add_argument("--out")
     # worker mode (torchrun runs this file again with these)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
