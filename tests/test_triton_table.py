@@ -185,7 +185,7 @@ def test_probe_returns_the_stored_scores_of_several_tables(count):
     """probe(scores=) across a stack of tables: each found key's score in its own table
     (the reference table's, for the same inserts), 0 for missing keys; past a device
     count nothing is written."""
-    from kernels.dynamic_embedding.probe_kernels import probe
+    from kernels.dynamic_embedding.probe_kernels import TableStack, probe
 
     g = torch.Generator().manual_seed(3)
     tables, refs = [], []
@@ -200,10 +200,10 @@ def test_probe_returns_the_stored_scores_of_several_tables(count):
         refs.append(ref)
     query = torch.randint(-1000, 1000, (30,), generator=g)
     tids = torch.randint(0, 3, (30,), generator=g)
-    desc = torch.stack([t.descriptor() for t in tables])
+    stack = TableStack(torch.stack([t.descriptor() for t in tables]), tables)
     got = torch.full((30,), -7, dtype=torch.int64, device=DEVICE)
     n = torch.tensor([count], dtype=torch.int32, device=DEVICE) if count is not None else None
-    slots = probe(desc, query.to(DEVICE), 8, 0, tids.to(DEVICE), count=n, scores=got)
+    slots = probe(stack, query.to(DEVICE), 8, 0, tids.to(DEVICE), count=n, scores=got)
     expected = []
     for k, t in zip(query.tolist(), tids.tolist()):
         s = refs[t].find(torch.tensor([k]))

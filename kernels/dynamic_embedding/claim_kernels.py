@@ -16,7 +16,7 @@ import triton.language as tl
 from ..launch import cdiv, launch_each, multiprocessors, next_power_of_2, prepare
 from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_NUM_COUNTED
 from .probe_kernels import (
-    _DIGESTS, _HEADS, _KEYS, _MARKS, _MODE, _SCORES, _VALUES, _WAITS, K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN,
+    _DIGESTS, _HEADS, _KEYS, _MARKS, _MODE, _SCORES, _VALUES, _WAITS, K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN, TableStack,
     _buf_rows, _bytes_equal, _digest,
     _digest_words, _field, _find_column, _grid, _hash, _key_column, _lane_bucket, _lane_rows,
 )
@@ -106,8 +106,9 @@ def _claim_keys(
     tl.store(slot_ptr + offs, slot, mask=live)
     if COUNT:
         ones = tl.full(offs.shape, 1, tl.int64)
-        tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_INSERTS, ones, mask=inserted != 0, sem="relaxed")
-        tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_HITS, -ones, mask=inserted != 0, sem="relaxed")
+        counters = counts_ptr + (t + tl.zeros(offs.shape, tl.int64)) * K_NUM_COUNTED  # per lane, also for one table
+        tl.atomic_add(counters + K_INSERTS, ones, mask=inserted != 0, sem="relaxed")
+        tl.atomic_add(counters + K_HITS, -ones, mask=inserted != 0, sem="relaxed")
     tl.store(inserted_ptr + offs, inserted, mask=live)
     return slot, inserted
 
@@ -209,9 +210,10 @@ def _evict_lists(
         tl.store(inserted_ptr + lane, tl.full(offs.shape, 1, tl.int8), mask=evicting)
         if COUNT:
             ones = tl.full(offs.shape, 1, tl.int64)
-            tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_INSERTS, ones, mask=evicting, sem="relaxed")
-            tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_HITS, -ones, mask=evicting, sem="relaxed")
-            tl.atomic_add(counts_ptr + t * K_NUM_COUNTED + K_EVICTIONS, ones, mask=evicting, sem="relaxed")
+            counters = counts_ptr + (t + tl.zeros(offs.shape, tl.int64)) * K_NUM_COUNTED  # per lane, also for one table
+            tl.atomic_add(counters + K_INSERTS, ones, mask=evicting, sem="relaxed")
+            tl.atomic_add(counters + K_HITS, -ones, mask=evicting, sem="relaxed")
+            tl.atomic_add(counters + K_EVICTIONS, ones, mask=evicting, sem="relaxed")
         pending, lane, key, link, score = more, next_lane, next_key, next_link, next_score
         if ROWS != 0:
             row = next_row
@@ -386,12 +388,12 @@ def resident_grid(blocks: int, device: torch.device, per_multiprocessor: int) ->
 
 
 def claim(
-    desc: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
+    stack: TableStack, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
     refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0, victims: bool = True,
     assign: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None,
 ):
-    """Fast find_or_insert on the tables of `desc` (_claim_kernel): found rows get their
+    """Fast find_or_insert on the tables of `stack` (_claim_kernel): found rows get their
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
     victim_keys, victim_scores), all (N,): an evicted lane's slot still holds its victim's
     row. Found and inserted rows are marked used by this call: none of its keys evicts
@@ -404,7 +406,8 @@ def claim(
     row_stride apart): new keys' first d values are stored from it, the other keys' come
     back in it; victims' rows are overwritten. assign: rows is insert_or_assign's instead,
     every key stored gets its row (of copies of a key, one's). victims=False: the caller
-    drops the victims (evicted, victim_keys and victim_scores come back None)."""
+    drops the victims (evicted, victim_keys and victim_scores come back None). Twin:
+    claim_reference.claim_reference."""
     n = keys.numel()
     flag_words = cdiv(2 * n, 8)
     out = keys.new_empty((3 * n if victims else n) + flag_words)  # (int64, as keys)
@@ -420,7 +423,7 @@ def claim(
         # once for both, the launches' constants are bound once per kind of call, and no
         # tensor views are made before them
         args = (
-            keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, desc, out, new_call(),
+            keys, tids if tids is not None else keys, scores, n, count if count is not None else keys, stack.desc, out, new_call(),
             counts if counts is not None else keys, refuse if refuse is not None else keys,
             barred.view(torch.int8) if barred is not None else keys, rows if rows is not None else keys, d, row_stride, score_offset,
         )

@@ -24,7 +24,7 @@ from ..launch import cdiv, launch, next_power_of_2
 from .claim_kernels import resident_grid
 from .triton_optimizers import _load_rows, _step_rows, optimizer_args
 from .counters import K_ADMISSION_REJECTIONS, K_ADMISSIONS, K_HITS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
-from .probe_kernels import K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, _field, _hash
+from .probe_kernels import K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, TableStack, _field, _hash
 
 SLOT_BITS = tl.constexpr(40)  # packed (table, slot): the slot's bits
 SLOT_MASK = tl.constexpr((1 << SLOT_BITS.value) - 1)
@@ -380,15 +380,6 @@ def _admit_kernel(
 
 
 # ---- the operations, as table_group.py calls them (twins: multi_table_reference.py) -------
-
-@dataclass
-class TableStack:
-    """Tables addressed together: desc, their descriptors stacked (what the kernels read);
-    tables, the same tables in the same order (what the twins read)."""
-
-    desc: torch.Tensor
-    tables: list
-
 
 @dataclass
 class Gradients:

@@ -7,6 +7,7 @@ the first) and loads full keys only where the digest matches. Rows are padded to
 multiple of ROW_ALIGN values so they start aligned.
 """
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,6 +50,16 @@ DESCRIPTOR_WORDS = tl.constexpr(9)
 # insertion modes: a key whose bucket has no empty slot is refused (slot -1) under KEEP,
 # reported as slot -2 under GROW (the caller grows the table), evicts under EVICT
 READ_ONLY, GROW, EVICT, KEEP = 0, 1, 2, 3
+
+
+@dataclass
+class TableStack:
+    """Tables addressed together: desc, their descriptors stacked ((T, DESCRIPTOR_WORDS):
+    what the kernels read); tables, the same tables in the same order (what the twins
+    read: keys, scores, digests, values)."""
+
+    desc: torch.Tensor
+    tables: list
 
 
 @triton.jit
@@ -255,22 +266,23 @@ def _find_launch(
 
 
 def probe(
-    desc: torch.Tensor, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
+    stack: TableStack, keys: torch.Tensor, bucket_size: int, row_stride: int, tids: torch.Tensor | None = None,
     out: torch.Tensor | None = None, count: torch.Tensor | None = None, found_only: bool = False,
     scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Slots of keys (-1 if absent) in the tables of `desc` ((T, DESCRIPTOR_WORDS); key i in
-    table tids[i], or all in table 0), or with found_only whether each is stored (bool).
-    `out` (N, d) receives the first d values of found rows; `scores` (N,) int64 the stored
-    scores (0 where absent). count: a device scalar; only the first `count` keys are
-    looked up (the other slots and scores are left unset)."""
+    """Slots of keys (-1 if absent) in the tables of `stack` (key i in table tids[i], or all
+    in table 0), or with found_only whether each is stored (bool). `out` (N, d) receives
+    the first d values of found rows (rows `row_stride` values apart in the tables);
+    `scores` (N,) int64 the stored scores (0 where absent). count: a device scalar; only
+    the first `count` keys are looked up (the other slots and scores are left unset). The
+    reserved key is never found. Twin: probe_reference.probe_reference."""
     n = keys.numel()
     slots = torch.empty(n, dtype=torch.bool if found_only else torch.int64, device=keys.device)
     if n == 0:
         return slots
     out_dim = out.shape[1] if out is not None else 0
     args = (
-        keys, tids if tids is not None else keys, n, count if count is not None else keys, desc,
+        keys, tids if tids is not None else keys, n, count if count is not None else keys, stack.desc,
         slots.view(torch.int8) if found_only else slots, out if out is not None else slots, out_dim, row_stride,
         scores if scores is not None else slots,
     )

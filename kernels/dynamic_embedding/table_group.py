@@ -180,7 +180,7 @@ class TableGroup:
         # segments past the count: table 0's (never written; _key_scores indexes by them)
         tids = torch.where(torch.arange(r.keys.numel(), device=self.device) < r.count, r.tids, 0)
         old = torch.zeros_like(r.keys) if self.counting else None  # lfu scores read them
-        slots = probe(self._stack().desc, r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
+        slots = probe(self._stack(), r.keys, self.bucket_size, 0, tids, count=r.count, scores=old)
         return _Stored(tids, slots, old, self._uses(r))
 
     def _uses(self, r: _Routing) -> torch.Tensor:
@@ -239,7 +239,7 @@ class TableGroup:
                 self._admit(r, gate, slots, inserted)
             init_rows(r.keys, r.tids, slots, inserted, r.count, self._stack(), self._seeds, self._scales, self.dim)
         else:
-            slots = probe(self._stack().desc, r.keys, self.bucket_size, 0, r.tids, count=r.count)
+            slots = probe(self._stack(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
         self._rows(r, slots, counted=train)
         gather_embeddings(r.number, r.rows, r.keys, r.tids, r.rowless, self._stack(), self._seeds, self._scales, out)
         r.placements = self._placements()
@@ -269,7 +269,7 @@ class TableGroup:
         counters = self._counter_stack()
         counted = torch.zeros_like(r.keys)
         tids = stored.tids if stored is not None else r.tids  # (past the count, unread)
-        found = probe(counters.desc, r.keys, self.bucket_size, 0, tids, count=r.count, scores=counted)
+        found = probe(counters, r.keys, self.bucket_size, 0, tids, count=r.count, scores=counted)
         uses = stored.uses if stored is not None else self._uses(r)
         seen, barred = admission_gate(tids, counted, uses, r.count, self._admits, self._thresholds)
         return _Gate(tids, found, seen, barred)
@@ -284,7 +284,7 @@ class TableGroup:
             self._counts,
         )
         # the refused ids' counts stored (the claim skips the reserved key: the others)
-        claim(counters.desc, claim_keys, gate.seen, self.bucket_size, gate.tids, count=r.count, victims=False)
+        claim(counters, claim_keys, gate.seen, self.bucket_size, gate.tids, count=r.count, victims=False)
 
     def _counter_stack(self) -> TableStack:
         """The members' counter tables (a member without one: another's; no key of that
@@ -300,7 +300,7 @@ class TableGroup:
         inserted. barred: segments found if stored, never inserted."""
         scores, offset, per_table = scored
         slots, inserted, _, _, _ = claim(
-            self._stack().desc, r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
+            self._stack(), r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
             counts=self._counts, count=r.count, victims=False, score_offset=offset, barred=barred,
         )
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
@@ -348,7 +348,7 @@ class TableGroup:
             keys = torch.cat(ids)
             tids, _ = self._lanes(sizes)
             r = self._route(tuple(given), keys, tids)
-            self._rows(r, probe(self._stack().desc, r.keys, self.bucket_size, 0, r.tids, count=r.count), counted=None)
+            self._rows(r, probe(self._stack(), r.keys, self.bucket_size, 0, r.tids, count=r.count), counted=None)
         grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
                  else g.to(self.device, torch.float32).contiguous() for g in grads]
         _, lane_bounds = self._lanes(tuple(x.numel() for x in r.ids))

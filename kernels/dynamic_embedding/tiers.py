@@ -9,41 +9,12 @@ tables take DynamicEmbedding's general path, its oracle in the tests.
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
-from ..launch import launch, next_power_of_2
 from .hashing import EMPTY_KEY
-from .multi_table_kernels import _initial_embedding
 from .claim_kernels import claim
-from .probe_kernels import K_EMPTY_KEY, _grid, probe
-from .slot_kernels import copy_rows
+from .probe_kernels import probe
+from .slot_kernels import copy_rows, initial_rows
 from .triton_table import TritonHashTable
-
-INIT_BLOCK = 64  # lanes per program of row initialisation, which most lanes skip
-
-
-@triton.jit
-def _initial_rows_kernel(
-    key_ptr, host_slot_ptr, slot_ptr, inserted_ptr, rows_ptr, n, seed, scale, dim, row_dim,
-    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
-):
-    """rows[i] = key i's initial row (embedding, zero optimizer state) where the key has no
-    host row and needs one: it was inserted on the device, or it has no device row."""
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = lanes < n
-    key = tl.load(key_ptr + lanes, mask=live, other=K_EMPTY_KEY)
-    need = live & (key != K_EMPTY_KEY) & (tl.load(host_slot_ptr + lanes, mask=live, other=0) < 0)
-    need = need & ((tl.load(inserted_ptr + lanes, mask=live, other=0) != 0) | (tl.load(slot_ptr + lanes, mask=live, other=0) < 0))
-    if tl.max(need.to(tl.int32), axis=0) > 0:
-        row = rows_ptr + lanes[:, None].to(tl.int64) * row_dim
-        seeds, scales = seed + tl.zeros([BLOCK], tl.int64), scale + tl.zeros([BLOCK], tl.float64)
-        for c in range(0, dim, DIM_BLOCK):
-            cols = c + tl.arange(0, DIM_BLOCK)
-            tl.store(row + cols[None, :], _initial_embedding(key, seeds, scales, cols), mask=need[:, None] & (cols[None, :] < dim))
-        for c in range(dim, row_dim, DIM_BLOCK):
-            cols = c + tl.arange(0, DIM_BLOCK)
-            tl.store(row + cols[None, :], tl.zeros([BLOCK, DIM_BLOCK], tl.float32), mask=need[:, None] & (cols[None, :] < row_dim))
 
 
 class Swapped(NamedTuple):
@@ -82,17 +53,11 @@ def swap_in(
     (lost).
     """
     n = keys.numel()
-    host_slots = probe(host.descriptor(), keys, host.bucket_size, host.row_stride)
+    host_slots = probe(host.stack, keys, host.bucket_size, host.row_stride)
     copy_rows(host.values, host_slots, rows, None, host.row_dim)
-    slots, inserted, evicted, victim_keys, victim_scores = claim(device.descriptor(), keys, scores, device.bucket_size)
+    slots, inserted, evicted, victim_keys, victim_scores = claim(device.stack, keys, scores, device.bucket_size)
     device.placements += 1
-    seed, scale, dim = init
-    if n:
-        launch(
-            _initial_rows_kernel, _grid(n, INIT_BLOCK),
-            keys, host_slots, slots, inserted.view(torch.int8), rows, n, seed, scale, dim, device.row_dim, BLOCK=INIT_BLOCK,
-            DIM_BLOCK=min(64, next_power_of_2(dim)),
-        )
+    initial_rows(keys, host_slots, slots, inserted, rows, *init)
     promoted = inserted & (host_slots >= 0)
     host._clear(torch.where(promoted, host_slots, -1))  # their rows are in `rows` now
     # one host claim per lane: an evicting lane's victim (its slot still holds the
@@ -100,7 +65,7 @@ def swap_in(
     # device row
     rowless = (slots < 0) & (keys != EMPTY_KEY)
     down, down_inserted, host_evicted, _, _ = claim(
-        host.descriptor(), torch.where(evicted, victim_keys, torch.where(rowless, keys, EMPTY_KEY)),
+        host.stack, torch.where(evicted, victim_keys, torch.where(rowless, keys, EMPTY_KEY)),
         torch.where(evicted, victim_scores, scores), host.bucket_size,
     )
     host.placements += 1

@@ -26,7 +26,7 @@ from .hashing import EMPTY_KEY
 from .host_memory import host_mapped
 from .probe_kernels import (
     _DIGESTS, _HEADS, _KEYS, _MARKS, _MASK, _MODE, _SCORES, _VALUES, _WAITS, DESCRIPTOR_WORDS, EVICT, GROW, KEEP,
-    ROW_ALIGN, probe,
+    ROW_ALIGN, TableStack, probe,
 )
 from .slot_kernels import choose_slots, copy_rows, count_rows, export_rows, gather_victims, release_slots, write_slots
 from .table import MISSING, Evicted, EvictedBuffers, ReferenceHashTable, reserved_key_error
@@ -89,7 +89,7 @@ class TritonHashTable(ReferenceHashTable):
         if keys.numel() == 0:
             return keys.clone(), keys.bool(), Evicted.empty(self.row_dim, self.dtype, self.device)
         if self._without_waiting(return_evicted):
-            slots, inserted, _, _, _ = claim(self._descriptor, keys, scores, self.bucket_size, victims=False)
+            slots, inserted, _, _, _ = claim(self.stack, keys, scores, self.bucket_size, victims=False)
             return slots, inserted, Evicted.empty(self.row_dim, self.dtype, self.device)
         mode = self.insert_mode
         lost = Evicted.empty(self.row_dim, self.dtype, self.device)
@@ -97,7 +97,7 @@ class TritonHashTable(ReferenceHashTable):
         # the flag is read at the call's one wait for the GPU
         refused = (keys == EMPTY_KEY).any()
         slots, inserted, evicted, victim_keys, victim_scores = claim(
-            self._descriptor, keys, scores, self.bucket_size, refuse=refused.view(torch.int8)
+            self.stack, keys, scores, self.bucket_size, refuse=refused.view(torch.int8)
         )
         if mode == EVICT:
             n_lost, refused = torch.stack([evicted.sum(dtype=torch.int64), refused.long()]).tolist()
@@ -138,7 +138,7 @@ class TritonHashTable(ReferenceHashTable):
         if keys.numel() == 0:
             return keys.clone(), keys.bool(), Evicted.empty(self.row_dim, self.dtype, self.device)
         slots, inserted, _, _, _ = claim(
-            self._descriptor, keys, scores, self.bucket_size, rows=values, row_stride=self.row_stride, victims=False
+            self.stack, keys, scores, self.bucket_size, rows=values, row_stride=self.row_stride, victims=False
         )
         return slots, inserted, Evicted.empty(self.row_dim, self.dtype, self.device)
 
@@ -166,7 +166,7 @@ class TritonHashTable(ReferenceHashTable):
         self._check_buffer(rows, keys.numel())
         if self._rows_in_claim(return_evicted):
             keys, scores = self._claim_input(keys, scores)
-            claim(self._descriptor, keys, scores, self.bucket_size, rows=rows, row_stride=self.row_stride, victims=False, assign=True)
+            claim(self.stack, keys, scores, self.bucket_size, rows=rows, row_stride=self.row_stride, victims=False, assign=True)
             return Evicted.empty(self.row_dim, self.dtype, self.device)
         slots, _, evicted = self.find_or_insert(keys, scores, return_evicted)
         # lanes not stored (slot -1) skip; of a duplicated key's copies one writes
@@ -187,7 +187,7 @@ class TritonHashTable(ReferenceHashTable):
         keys, scores = self._claim_input(keys, scores)
         out = self._evicted_buffers(keys.numel(), out)
         if keys.numel():
-            slots, _, evicted, victim_keys, victim_scores = claim(self._descriptor, keys, scores, self.bucket_size)
+            slots, _, evicted, victim_keys, victim_scores = claim(self.stack, keys, scores, self.bucket_size)
             gather_victims(evicted, slots, victim_keys, victim_scores, self.values, out.keys, out.scores, out.rows, out.count)
             # lanes not stored (slot -1) skip; of a duplicated key's copies one writes
             copy_rows(rows, None, self.values, slots, self.row_dim, self.host_rows, marks=self._marks)
@@ -215,10 +215,16 @@ class TritonHashTable(ReferenceHashTable):
         words[_MASK.value], words[_MODE.value] = num_buckets - 1, self.insert_mode
         self._descriptor = torch.tensor(words, dtype=torch.int64, device=self.device)
 
+    @property
+    def stack(self) -> TableStack:
+        """This table alone, as the kernels and their twins take tables (made per call: kept,
+        it would tie the table to itself in a cycle that only the garbage collector frees)."""
+        return TableStack(self._descriptor.view(1, -1), [self])
+
     def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None, found_only: bool = False) -> torch.Tensor:
         """Slots of keys (-1 if absent), or whether each is stored; `out` receives found
         rows' values."""
-        return probe(self._descriptor, keys, self.bucket_size, self.row_stride, out=out, found_only=found_only)
+        return probe(self.stack, keys, self.bucket_size, self.row_stride, out=out, found_only=found_only)
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """As the reference's, but the reserved key is not refused: it is never found (its
@@ -230,7 +236,7 @@ class TritonHashTable(ReferenceHashTable):
         in find)."""
         keys = self._check_keys(keys, reserved_ok=True).contiguous()
         scores = torch.empty_like(keys)  # the probe writes every lane
-        return probe(self._descriptor, keys, self.bucket_size, self.row_stride, scores=scores), scores
+        return probe(self.stack, keys, self.bucket_size, self.row_stride, scores=scores), scores
 
     def find_values(self, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Fused probe and copy: out[i] = first out.shape[1] values of key i's row where
