@@ -19,6 +19,8 @@ mask, insert mode), so one launch can serve the many tables of a collection. The
 probe_kernels.py (hashing, digests, descriptors, find), claim_kernels.py (the fast
 insert), slot_kernels.py (deterministic placement, release, export, row copies).
 """
+import weakref
+
 import torch
 
 from .claim_kernels import claim, new_call
@@ -214,12 +216,14 @@ class TritonHashTable(ReferenceHashTable):
             words[i.value] = t.data_ptr()
         words[_MASK.value], words[_MODE.value] = num_buckets - 1, self.insert_mode
         self._descriptor = torch.tensor(words, dtype=torch.int64, device=self.device)
+        # (a proxy: the table holding itself would make a cycle that only the garbage
+        # collector frees, and the table's memory with it)
+        self._stack = TableStack(self._descriptor.view(1, -1), [weakref.proxy(self)])
 
     @property
     def stack(self) -> TableStack:
-        """This table alone, as the kernels and their twins take tables (made per call: kept,
-        it would tie the table to itself in a cycle that only the garbage collector frees)."""
-        return TableStack(self._descriptor.view(1, -1), [self])
+        """This table alone, as the kernels and their twins take tables."""
+        return self._stack
 
     def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None, found_only: bool = False) -> torch.Tensor:
         """Slots of keys (-1 if absent), or whether each is stored; `out` receives found
