@@ -25,9 +25,10 @@ def stack_of(seed: int, tables: int, bucket_size: int) -> TableStack:
     g = torch.Generator().manual_seed(seed)
     made = []
     for _ in range(tables):
-        t = TritonHashTable(ROW_DIM, capacity=4 * bucket_size, max_capacity=4 * bucket_size, bucket_size=bucket_size,
+        t = TritonHashTable(ROW_DIM, capacity=2 * bucket_size, max_capacity=2 * bucket_size, bucket_size=bucket_size,
                             device=DEVICE, deterministic=False)
-        keys = torch.cat([torch.randint(-300, 300, (3 * bucket_size,), generator=g), torch.tensor([low_digest_key()])]).unique()
+        keys = torch.cat([torch.randint(-300, 300, (bucket_size + bucket_size // 2,), generator=g),
+                          torch.tensor([low_digest_key()])]).unique()
         t.insert_or_assign(keys.to(DEVICE), torch.randn(keys.numel(), ROW_DIM, generator=g).to(DEVICE),
                            torch.randint(1, 50, (keys.numel(),), generator=g).to(DEVICE))
         made.append(t)
@@ -43,8 +44,7 @@ def queries(seed: int, n: int, tables: int):
     return keys.to(DEVICE), tids.to(DEVICE)
 
 
-@pytest.mark.parametrize("bucket_size", [4, 16, 128])
-@pytest.mark.parametrize("tables", [1, 3])
+@pytest.mark.parametrize("bucket_size,tables", [(4, 3), (16, 1), (16, 3), (128, 1)])
 def test_probe_finds_what_its_twin_finds(bucket_size, tables):
     stack = stack_of(bucket_size + tables, tables, bucket_size)
     keys, tids = queries(bucket_size * tables, 160, tables)
