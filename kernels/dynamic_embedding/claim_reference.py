@@ -12,21 +12,16 @@ have reached where they do (the tests compare invariants there).
 It reads the stack's tables as tensors (keys, scores, values) and each table's insertion
 mode from its descriptor; it keeps the rows this call uses in a set, where the kernel
 marks them with the call's id (the twin leaves the marks as they were). Nothing here
-calls a kernel or shares a helper with one.
+calls a kernel or shares a helper with one (the digests are slot_reference's).
 """
 import torch
 
 from .counters import EVICTIONS, HITS, INSERTS
-from .hashing import EMPTY_KEY, hash64
+from .hashing import EMPTY_KEY, bucket_of
 from .probe_kernels import _MODE, EVICT, GROW, READ_ONLY
+from .slot_reference import _digests
 
 GROW_SLOT, WAITING = -2, -3  # a key's slot when its full bucket must grow, or while it waits to evict
-
-
-def _digest(key: int) -> int:
-    """The hash's top byte, 1 where it is 0 (0 marks an empty slot)."""
-    d = (int(hash64(torch.tensor([key]))[0]) >> 56) & 0xFF
-    return d or 1
 
 
 class _Table:
@@ -40,7 +35,7 @@ class _Table:
         self.stored: dict[int, int] = {}  # slot -> key, of the slots this call stored
 
     def bucket(self, key: int) -> int:
-        return int(hash64(torch.tensor([key]))[0]) & (self.num_buckets - 1)
+        return int(bucket_of(torch.tensor([key]), self.num_buckets)[0])
 
     def columns(self, bucket: int) -> range:
         return range(bucket * self.bucket_size, (bucket + 1) * self.bucket_size)
@@ -57,7 +52,7 @@ class _Table:
             slots = sorted(self.stored)
             at = torch.tensor(slots, device=t.keys.device)
             t.keys[at] = torch.tensor([self.stored[s] for s in slots], device=t.keys.device)
-            t.digests[at] = torch.tensor([_digest(self.stored[s]) for s in slots], dtype=torch.uint8, device=t.keys.device)
+            t.digests[at] = _digests(t.keys[at])
 
 
 def claim_reference(

@@ -9,7 +9,7 @@ or shares a helper with one.
 """
 import torch
 
-from .hashing import EMPTY_KEY, hash64
+from .hashing import EMPTY_KEY, bucket_of
 
 
 def probe_reference(
@@ -30,7 +30,7 @@ def probe_reference(
         lanes = torch.nonzero(table_of == t).squeeze(1)
         k = keys[lanes]
         num_buckets = table.keys.numel() // bucket_size
-        bucket = hash64(k) & (num_buckets - 1)
+        bucket = bucket_of(k, num_buckets)
         match = (table.keys.view(num_buckets, bucket_size)[bucket] == k[:, None]) & (k != EMPTY_KEY)[:, None]
         found = match.any(1)
         at = bucket * bucket_size + match.to(torch.int8).argmax(1)  # the lowest matching column

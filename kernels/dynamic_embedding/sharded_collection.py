@@ -12,9 +12,9 @@ as ShardedDynamicEmbedding does) in one exchange for all tables: one all-to-all 
 (the call's one host wait), one of ids, one of rows back (rows of narrower tables padded
 to the widest), and for the update one of gradients (each distinct id's copies summed
 before they travel; means over ranks), the update reusing its lookup's routing for the
-same ids. The owners serve what they receive as one call of
-their collection. `tables[name]` is each table's own sharded view (dump, load, stats).
-Every rank makes the same calls with the same tables.
+same ids. The owners serve what they receive as one call of their collection.
+`tables[name]` is each table's own sharded view (dump, load, stats). Every rank makes the
+same calls with the same tables.
 """
 from dataclasses import dataclass
 

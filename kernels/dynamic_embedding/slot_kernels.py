@@ -1,8 +1,9 @@
 """Triton kernels on a hash table's slots and rows outside the claim: the deterministic
 mode's placement (choose slots reading only, then write them), releasing slots, counting
 and exporting rows, copying rows between tables and buffers, gathering a claim's victims,
-and a tiered table's initial rows. Each is called through a launcher here, whose PyTorch twin of the same
-signature is in slot_reference.py (tests/test_slot_kernels.py holds them together).
+and a tiered table's initial rows. Each is called through a launcher here, whose PyTorch
+twin of the same signature is in slot_reference.py (tests/test_slot_kernels.py holds
+them together).
 """
 import torch
 import triton
@@ -176,8 +177,6 @@ def _gather_victims_kernel(
             tl.store(out_row_ptr + at[:, None] * row_dim + cols[None, :], row, mask=m)
 
 
-# ---- launchers (twins: slot_reference.py) --------------------------------------------------
-
 @triton.jit
 def _initial_rows_kernel(
     key_ptr, host_slot_ptr, slot_ptr, inserted_ptr, rows_ptr, n, seed, scale, dim, row_dim,
@@ -201,6 +200,7 @@ def _initial_rows_kernel(
             tl.store(row + cols[None, :], tl.zeros([BLOCK, DIM_BLOCK], tl.float32), mask=need[:, None] & (cols[None, :] < row_dim))
 
 
+# ---- launchers (twins: slot_reference.py) --------------------------------------------------
 
 RELEASE_BLOCK = 256  # slots per program of release_slots
 EXPORT_BLOCK = 256  # slots per program of count_rows and export_rows
@@ -323,8 +323,6 @@ def gather_victims(
         evicted.view(torch.int8), slots, victim_keys, victim_scores, values, values.stride(0), n, row_dim,
         out_keys, out_scores, out_rows, count, BLOCK=VICTIM_BLOCK, DIM_BLOCK=min(128, next_power_of_2(row_dim)),
     )
-
-
 
 def initial_rows(
     keys: torch.Tensor, host_slots: torch.Tensor, slots: torch.Tensor, inserted: torch.Tensor, rows: torch.Tensor,

@@ -216,14 +216,10 @@ class TritonHashTable(ReferenceHashTable):
             words[i.value] = t.data_ptr()
         words[_MASK.value], words[_MODE.value] = num_buckets - 1, self.insert_mode
         self._descriptor = torch.tensor(words, dtype=torch.int64, device=self.device)
-        # (a proxy: the table holding itself would make a cycle that only the garbage
-        # collector frees, and the table's memory with it)
-        self._stack = TableStack(self._descriptor.view(1, -1), [weakref.proxy(self)])
-
-    @property
-    def stack(self) -> TableStack:
-        """This table alone, as the kernels and their twins take tables."""
-        return self._stack
+        # this table alone, as the kernels and their twins take tables (through a proxy: the
+        # table holding itself would make a cycle that only the garbage collector frees, and
+        # the table's memory with it)
+        self.stack = TableStack(self._descriptor.view(1, -1), [weakref.proxy(self)])
 
     def _probe(self, keys: torch.Tensor, out: torch.Tensor | None = None, found_only: bool = False) -> torch.Tensor:
         """Slots of keys (-1 if absent), or whether each is stored; `out` receives found
