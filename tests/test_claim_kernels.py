@@ -1,8 +1,8 @@
 """The claim (claim_kernels.claim) against its twin (claim_reference.py) on fresh random
 tables with full and partly full buckets, one table and several.
 
-Where no two distinct new keys of a call meet in one bucket the outcome does not depend
-on thread timing, and kernel and twin must agree exactly: slots, which keys are
+Where no two distinct new keys of a call meet in one bucket and the copies of a key carry
+one score (as a table's calls give them) the outcome does not depend on thread timing, and kernel and twin must agree exactly: slots, which keys are
 inserted and what they evict, the tables after (keys, scores, digests, rows), the
 counters, in every insertion mode, with per-table scores, barred keys, a device count and
 rows moved both ways. Where they meet, each bucket's outcome depends on the order its keys
@@ -77,6 +77,18 @@ def uncontended_lanes(seed: int, stack: TableStack, n: int):
     return torch.tensor(keys, device=DEVICE), torch.tensor(tids, device=DEVICE)
 
 
+def key_scores(keys: torch.Tensor, tids: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A score in [0, SCORES] per lane, the same for every copy of a (table, key): which
+    copy of a new key reaches a full bucket first is up to thread timing, and with scores
+    of their own the copies could find a victim or not by that order."""
+    pairs = list(zip(keys.tolist(), tids.tolist()))
+    drawn = torch.randint(0, SCORES + 1, (len(pairs),), generator=g).tolist()
+    first = {}
+    for pair, s in zip(pairs, drawn):
+        first.setdefault(pair, s)
+    return torch.tensor([first[pair] for pair in pairs], dtype=torch.int64, device=DEVICE)
+
+
 def per_key(keys, tids, flags) -> dict:
     """(table, key) -> how many of its lanes are flagged."""
     out: dict = {}
@@ -106,7 +118,7 @@ def test_an_uncontended_claim_equals_its_twin(mode, tables):
     # inserts in the same call finds it or not by timing)
     bar = {k: bool(torch.rand(1, generator=g) < 0.15) for k in set(zip(keys.tolist(), tids.tolist()))}
     barred = torch.tensor([bar[k] for k in zip(keys.tolist(), tids.tolist())], device=DEVICE)
-    scores = torch.randint(0, SCORES + 1, (keys.numel(),), generator=g).to(DEVICE)
+    scores = key_scores(keys, tids, g)
     results = []
     for fn, stack in zip(CLAIMS, pair):
         counts = torch.zeros(tables, NUM_COUNTED, dtype=torch.int64, device=DEVICE)
@@ -149,7 +161,7 @@ def test_rows_move_with_the_claim(assign):
     stored rows fetched back for the others. Copies of a key carry the same row here."""
     pair = stacks(7, 1)
     keys, tids = uncontended_lanes(8, pair[0], 100)
-    scores = torch.randint(0, SCORES + 1, (keys.numel(),), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    scores = key_scores(keys, tids, torch.Generator().manual_seed(9))
     buf = torch.sin(keys.double()[:, None] * torch.arange(1, DIM + 1, device=DEVICE)).float()  # a row per key
     results = []
     for fn, stack in zip(CLAIMS, pair):
@@ -178,7 +190,7 @@ def test_a_refused_claim_changes_nothing():
 
 
 def check_claim(before: list, stack: TableStack, keys, tids, scores, out) -> None:
-    """What any order of a contended claim gives (EVICT, per-lane scores)."""
+    """What any order of a contended claim gives (EVICT, a score per key)."""
     slots, inserted, evicted, victim_keys, victim_scores = out
     T = len(stack.tables)
     old = {(t, int(k)): s for t in range(T) for s, k in enumerate(before[t][0].tolist()) if k != EMPTY_KEY}
@@ -221,7 +233,7 @@ def test_a_contended_claim_keeps_what_any_order_keeps(tables):
     keys = torch.randint(-600, 600, (n,), generator=g).to(DEVICE)
     keys[::13] = EMPTY_KEY
     tids = torch.randint(0, tables, (n,), generator=g).to(DEVICE)
-    scores = torch.randint(0, SCORES + 1, (n,), generator=g).to(DEVICE)
+    scores = key_scores(keys, tids, g)
     for fn, stack in zip(CLAIMS, pair):
         before = table_state(stack)
         out = fn(stack, keys, scores, BUCKET, tids if tables > 1 else None)
