@@ -13,15 +13,7 @@ synchronize and has none of its own between steps. On one CUDA device the model'
 and backward replay CUDA graphs (lightning_modules/cuda_graphs.py) unless
 `--cuda-graph-buckets 0`.
 
-FLOPs per step count the matrix products (layer norms, activations and the embedding
-table are left out). With P positions the model reads (sequences of n_b rows), width D,
-H heads of dqk / dv, `blocks` blocks and N negatives (the catalog for the full softmax):
-
-    forward   = blocks · (2·P·D·H·(2·dqk + 2·dv) + 2·P·H·dv·D)     projections
-              + blocks · H · Σ n_b² · (dqk + dv)                   causal half of QKᵀ and AV
-              + 2·P·N·D                                             the loss's logits
-    step      = 3 · (projections + loss) + 3.5 · attention
-
+FLOPs per step count the matrix products, by lightning_modules/flops.py's formula.
 MFU divides TFLOP/s by the device's dense bf16 peak (PEAK_TFLOPS; none on a CPU).
 Prints a table and writes JSON to benchmarks/results/.
 """
@@ -48,6 +40,7 @@ from benchmarks.results_path import write_results  # noqa: E402
 from lightning_modules.config import PRESETS, preset  # noqa: E402
 from lightning_modules.data import SequenceDataModule  # noqa: E402
 from lightning_modules.datasets import prepare  # noqa: E402
+from lightning_modules.flops import step_flops  # noqa: E402
 from lightning_modules.module import HSTULightningModule  # noqa: E402
 from lightning_modules.train import precision_for  # noqa: E402
 
@@ -55,16 +48,6 @@ PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16, SXM parts, by a word
 ML1M_LIKE_MAX_LEN = 2000  # the synthetic generator's longest sequence
 CATALOG = 1 << 20  # items of the uniform-length data
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's sync debug mode warning
-
-
-def step_flops(config, input_lengths: np.ndarray, negatives: int) -> float:
-    """The matrix-product FLOPs of one training step (the module docstring's formula)."""
-    c = config
-    positions, squares = float(input_lengths.sum()), float((input_lengths.astype(np.float64) ** 2).sum())
-    projections = c.num_blocks * positions * c.embedding_dim * c.num_heads * (2 * (2 * c.attention_dim + 2 * c.linear_dim) + 2 * c.linear_dim)
-    attention = c.num_blocks * c.num_heads * squares * (c.attention_dim + c.linear_dim)
-    loss = 2 * positions * negatives * c.embedding_dim
-    return 3 * (projections + loss) + 3.5 * attention
 
 
 def uniform_lengths_data(path: Path, users: int, max_len: int, seed: int) -> None:
