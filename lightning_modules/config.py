@@ -29,6 +29,9 @@ class HSTUConfig:
     # a long sequence is trained on a window ending at a random place each epoch, not
     # always on its last max_seq_len items
     random_windows: bool = True
+    # under several processes, every global batch is split over the ranks by the sequences'
+    # FLOPs (balanced_sampler.py), not at random: a step lasts as long as its busiest rank
+    balanced_batches: bool = True
     seed: int = 0
     # the item table: its own sparse optimizer (Adam, same rate as the dense weights)
     embedding_optimizer: str = "adam"
@@ -66,7 +69,8 @@ class HSTUConfig:
     def from_dict(d: dict) -> "HSTUConfig":
         d = dict(d)
         d["betas"] = tuple(d["betas"])
-        d.setdefault("item_features", False)  # configs saved before the field existed
+        d.setdefault("item_features", False)  # configs saved before the fields existed
+        d.setdefault("balanced_batches", True)
         return HSTUConfig(**d)
 
     def override(self, **changes) -> "HSTUConfig":

@@ -1,5 +1,6 @@
 """Sequences from the prepared Parquet files: training batches jagged (what the HSTU model
 reads), evaluation batches right-padded (what every ranker scores)."""
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -8,6 +9,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .balanced_sampler import BalancedDistributedSampler
 from .hstu import valid_mask
 
 
@@ -37,6 +39,11 @@ class Sequences(Dataset):
             end = int(np.random.randint(start + self.max_len, end + 1))
         start = max(start, end - self.max_len)
         return self.items[start:end], self.times[start:end]
+
+    def input_lengths(self) -> np.ndarray:
+        """(len,) the rows each sample gives the model: its window but the last item (the
+        last one's target)."""
+        return np.maximum(np.minimum(np.diff(self.offsets), self.max_len) - 1, 0)
 
     def all_items(self) -> np.ndarray:
         return np.unique(self.items)
@@ -131,13 +138,20 @@ def padded(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 class SequenceDataModule(L.LightningDataModule):
     """Jagged training batches from `train.parquet`, packed by the loader and unpacked on
-    the device (packed_jagged_batch); Lightning adds the distributed sampler."""
+    the device (packed_jagged_batch). Under several processes, with `cost` (each sequence's
+    cost from the rows it gives the model: flops.sequence_flops) every global batch is split
+    over the ranks by cost (BalancedDistributedSampler, seeded by `seed`); without it
+    Lightning adds its random DistributedSampler."""
 
-    def __init__(self, data_dir: str | Path, max_len: int, batch_size: int, num_workers: int = 0, random_windows: bool = False):
+    def __init__(
+        self, data_dir: str | Path, max_len: int, batch_size: int, num_workers: int = 0, random_windows: bool = False,
+        cost: Callable[[np.ndarray], np.ndarray] | None = None, seed: int = 0,
+    ):
         super().__init__()
         self.data_dir = Path(data_dir)
         self.max_len, self.batch_size, self.num_workers = max_len, batch_size, num_workers
         self.random_windows = random_windows
+        self.cost, self.seed = cost, seed
 
     def setup(self, stage: str | None = None) -> None:
         # a training sample needs one more item than the model sees: the last one's target
@@ -148,10 +162,16 @@ class SequenceDataModule(L.LightningDataModule):
         return torch.from_numpy(Sequences(self.data_dir / "train.parquet", 1).all_items())
 
     def train_dataloader(self) -> DataLoader:
+        world = self.trainer.world_size if self.trainer is not None else 1
+        sampler = None
+        if self.cost is not None and world > 1:
+            costs = self.cost(self.train.input_lengths())
+            sampler = BalancedDistributedSampler(self.train, costs, self.batch_size, world, self.trainer.global_rank, self.seed)
         return DataLoader(
             self.train,
             batch_size=self.batch_size,
-            shuffle=True,
+            shuffle=sampler is None,
+            sampler=sampler,
             collate_fn=packed_jagged_batch,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,  # not restarted every epoch

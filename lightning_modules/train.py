@@ -21,6 +21,7 @@ from . import model_files
 from .callbacks import EpochCheckpoint, Validation, latest_checkpoint
 from .config import PRESETS, preset
 from .data import SequenceDataModule
+from .flops import sequence_cost
 from .item_features import ITEMS_FILE, ItemFeatures
 from .module import HSTULightningModule, SASRecLightningModule
 from .sasrec import SASRecConfig
@@ -106,9 +107,11 @@ def main(argv=None) -> Path:
     if config.batch_size % world:
         raise SystemExit(f"--batch-size {config.batch_size} does not split over {world} processes")
     workers = args.loader_workers if args.loader_workers is not None else (GPU_LOADER_WORKERS if accelerator == "gpu" else 0)
+    balanced = args.model == "hstu" and config.balanced_batches
     data = SequenceDataModule(  # SASRec keeps its published sampling: each sequence's last window
         args.data_dir, config.max_seq_len, config.batch_size // world, num_workers=workers,
-        random_windows=getattr(config, "random_windows", False),
+        random_windows=getattr(config, "random_windows", False), seed=config.seed,
+        cost=sequence_cost(config, len(catalog)) if balanced else None,
     )
     if args.model == "hstu":
         features = ItemFeatures.read(args.data_dir) if config.item_features else None

@@ -19,6 +19,7 @@ def test_scaling_runs_both_workloads_on_one_and_two_processes(tmp_path):
     assert one["efficiency"] == 1.0 and one["comm_share"] == 0.0 and two["comm_share"] > 0  # two ranks exchange ids and rows
     hstu = [r for r in rows if r["workload"] == "hstu"]
     assert hstu[1]["comm_share"] > 0 and hstu[0]["tflops_per_gpu"] > 0  # DDP's all-reduce, timed through its comm hook
+    assert hstu[1]["balanced_batches"]  # the ranks' shares split by cost, the training default
 
 
 def test_a_failed_run_is_reported_as_such(tmp_path):
