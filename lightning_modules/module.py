@@ -8,7 +8,8 @@ gradients to the tables' fused sparse optimizers (which route them to the ranks 
 the rows). On GPUs the model's forward and backward replay CUDA graphs (cuda_graphs.py;
 under DDP too: the graphed backward hands each weight its gradient, and DDP's all-reduce
 hooks run on them outside the graph), and only every log_every_n_steps-th step logs (a
-log waits for the GPU).
+log waits for the GPU). Under several processes the ranks agree on a SIGTERM one step
+late, without a wait for the GPU per step (sigterm.py).
 
 Both offer `rankers(catalog)`, what validation scores (callbacks.Validation).
 """
@@ -28,6 +29,7 @@ from .item_embedding import ItemEmbedding
 from .item_features import ItemFeatures
 from .losses import catalog_softmax_loss, sampled_softmax_loss
 from .sasrec import SASRec, SASRecConfig, bce_loss, catalog_indices, negatives_outside_history
+from .sigterm import defer_sigterm_broadcast
 
 EMBEDDING_DUMP_KEY = "embedding_dump"
 
@@ -133,6 +135,9 @@ class HSTULightningModule(L.LightningModule):
         for name, value in self.items.metrics("emb/").items():
             self.log(name, value, on_step=True, rank_zero_only=True, batch_size=batch_size)
 
+    def on_train_start(self) -> None:
+        defer_sigterm_broadcast(self.trainer)  # the ranks agree on a SIGTERM without a host wait per step
+
     def on_train_epoch_start(self) -> None:
         self._last_logged, self._samples = None, 0  # the first step's time includes data start-up
         self.items.set_epoch(self.current_epoch)  # the epoch_* eviction policies
@@ -174,6 +179,9 @@ class SASRecLightningModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.model.parameters(), lr=self.config.lr, betas=self.config.betas)
+
+    def on_train_start(self) -> None:
+        defer_sigterm_broadcast(self.trainer)
 
     def indices(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Raw ids (B, L) → catalog indices 1..M, 0 at padding."""
