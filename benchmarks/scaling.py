@@ -19,7 +19,9 @@ Workloads:
   (all-to-all of gradients). A sample is one id of every table.
 - `hstu`: training steps of the real LightningModule under DDP (the presets given; per-GPU
   batch = the preset's; CUDA graphs as the preset sets them at every G, or as
-  `--cuda-graph-buckets` says), TFLOP/s as benchmarks/train_throughput.py counts them.
+  `--cuda-graph-buckets` says; each global batch split over the ranks by the sequences'
+  FLOPs, lightning_modules/balanced_sampler.py, or with `--unbalanced` at random as
+  Lightning's DistributedSampler does), TFLOP/s as lightning_modules/flops.py counts them.
 
 Communication share: the step is timed twice, plain (the ms and samples/s reported), then
 with every collective (the embedding's all-to-alls, DDP's all-reduce through a comm hook)
@@ -93,10 +95,11 @@ def comm(timer: CommTimer, instrumented_s: float, steps: int, world: int) -> dic
 
 
 @contextlib.contextmanager
-def profiled(on: bool, device: str, label: str):
+def profiled(on: bool, device: str, label: str, trace_dir: str | None = None):
     """Where asked (--profile): torch.profiler over the block, then its top operations
-    printed by host and by device time. Its start and stop stay outside a timed window
-    inside the block, but the operations it records run slower."""
+    printed by host and by device time, and with trace_dir (--trace) its timeline written
+    there as a Chrome trace. Its start and stop stay outside a timed window inside the
+    block, but the operations it records run slower."""
     if not on:
         yield
         return
@@ -105,6 +108,9 @@ def profiled(on: bool, device: str, label: str):
         yield
     for sort in ("self_cpu_time_total", "self_device_time_total"):
         print(f"{label}, rank 0's plain pass by {sort}:\n" + profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(trace_dir) / (label.replace(", ", "_").replace(" ", "-") + ".json")))
 
 
 def sync(device: str) -> None:
@@ -147,7 +153,7 @@ def embedding_worker(args, device: str, timer: CommTimer) -> dict:
     seconds = []
     for instrumented in (False, True):
         timer.on, timer.seconds = instrumented, 0.0
-        with profiled(args.profile and not instrumented and rank == 0, device, f"embedding, {world} processes"):
+        with profiled(args.profile and not instrumented and rank == 0, device, f"embedding, {world} processes", args.trace):
             sync(device)
             start = time.perf_counter()
             for i in range(args.steps):
@@ -167,18 +173,20 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
-    from benchmarks.train_throughput import step_flops
     from lightning_modules.config import preset
     from lightning_modules.data import SequenceDataModule
+    from lightning_modules.flops import sequence_cost, step_flops
     from lightning_modules.module import HSTULightningModule
     from lightning_modules.train import precision_for
 
     world = int(os.environ["WORLD_SIZE"])
     per_gpu = args.batch_size or preset(args.preset).batch_size
-    config = preset(args.preset).override(batch_size=per_gpu * world, cuda_graph_buckets=args.cuda_graph_buckets)
+    config = preset(args.preset).override(batch_size=per_gpu * world, cuda_graph_buckets=args.cuda_graph_buckets,
+                                          balanced_batches=False if args.unbalanced else None)
+    catalog = SequenceDataModule(args.data_dir, 1, 1).catalog()
     data = SequenceDataModule(args.data_dir, config.max_seq_len, per_gpu, num_workers=2 if device == "cuda" else 0,
-                              random_windows=config.random_windows)
-    catalog = data.catalog()
+                              random_windows=config.random_windows, seed=config.seed,
+                              cost=sequence_cost(config, len(catalog)) if config.balanced_batches else None)
     module = HSTULightningModule(config, catalog)
     negatives = min(config.num_negatives, len(catalog))
 
@@ -189,7 +197,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
 
         def __init__(self):
             self.bounds, self.lengths = [], []
-            self.profiler = profiled(args.profile and int(os.environ["RANK"]) == 0, device, f"{args.preset}, {world} processes")
+            self.profiler = profiled(args.profile and int(os.environ["RANK"]) == 0, device, f"{args.preset}, {world} processes", args.trace)
 
         def _mark(self, trainer):
             if device == "cuda":
@@ -228,7 +236,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     flops = sum(step_flops(config, x, negatives) for x in lengths)
     return {
         "workload": "hstu", "preset": args.preset, "batch_per_gpu": per_gpu, "max_seq_len": config.max_seq_len,
-        "cuda_graph_buckets": config.cuda_graph_buckets if device == "cuda" else 0,
+        "cuda_graph_buckets": config.cuda_graph_buckets if device == "cuda" else 0, "balanced_batches": config.balanced_batches,
         "ms_per_step": 1000 * plain_s / args.steps, "samples_per_s_per_gpu": sum(len(x) for x in lengths) / plain_s,
         "tflops_per_gpu": flops / plain_s / 1e12, **comm(timer, instrumented_s, args.steps, world),
     }
@@ -287,7 +295,8 @@ def launch(procs: int, worker_args: list[str], device: str) -> dict:
 
 
 def table_line(row: dict) -> str:
-    head = f"{row['workload']:<10}{row.get('preset', ''):<12}{row['procs']:>6}"
+    preset = row.get("preset", "") + ("/random" if row.get("balanced_batches") is False else "")  # shares drawn at random
+    head = f"{row['workload']:<10}{preset:<17}{row['procs']:>6}"
     if "error" in row:
         return f"{head}  {row['error']}"
     efficiency = f"{row['efficiency']:>12.1%}" if row["efficiency"] is not None else f"{'-':>12}"  # no 1-GPU run to divide by
@@ -306,7 +315,9 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, help="HSTU sequences per GPU (default: the preset's)")
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
+    p.add_argument("--unbalanced", action="store_true", help="HSTU: the ranks' shares of a batch drawn at random, not split by cost")
     p.add_argument("--profile", action="store_true", help="print rank 0's top operations in each run's plain pass (which then runs slower)")
+    p.add_argument("--trace", help="with --profile: a folder for rank 0's Chrome trace of each run's plain pass")
     p.add_argument("--out")
     # worker mode (torchrun runs this file again with these)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -328,10 +339,12 @@ def main(argv=None) -> None:
     if args.cuda_graph_buckets is not None:
         common += ["--cuda-graph-buckets", str(args.cuda_graph_buckets)]
     common += ["--profile"] if args.profile else []
+    common += ["--trace", str(Path(args.trace).resolve())] if args.trace else []
+    common += ["--unbalanced"] if args.unbalanced else []
     runs = ["embedding"] if "embedding" in args.workloads else []
     runs += args.presets if "hstu" in args.workloads else []
     rows = []
-    print(f"{'workload':<10}{'preset':<12}{'GPUs':>6}{'ms/step':>10}{'samples/s/GPU':>16}{'efficiency':>12}"
+    print(f"{'workload':<10}{'preset':<17}{'GPUs':>6}{'ms/step':>10}{'samples/s/GPU':>16}{'efficiency':>12}"
           f"{'comm ms':>10}{'comm share':>12}", flush=True)
     with tempfile.TemporaryDirectory(prefix="scaling-") as tmp:
         for run in runs:
