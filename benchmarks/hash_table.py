@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_path import write_results  # noqa: E402
 
-from kernels.dynamic_embedding.table import EvictedBuffers  # noqa: E402
+from kernels.dynamic_embedding.table_base import EvictedBuffers  # noqa: E402
 from kernels.dynamic_embedding.triton_table import TritonHashTable  # noqa: E402
 
 BATCH = 1 << 20

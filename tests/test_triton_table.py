@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, ReferenceHashTable
-from kernels.dynamic_embedding.table import EvictedBuffers
+from kernels.dynamic_embedding.table_base import EvictedBuffers
 from kernels.dynamic_embedding.triton_table import TritonHashTable
 from kernels.dynamic_embedding.hashing import EMPTY_KEY, bucket_of, hash64
 

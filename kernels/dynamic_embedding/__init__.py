@@ -7,7 +7,8 @@ from .sharded import ShardedDynamicEmbedding
 from .hashing import EMPTY_KEY, shard_of
 from .optimizers import OptimizerConfig
 from .sharded_collection import ShardedDynamicEmbeddingCollection
-from .table import MISSING, ReferenceHashTable
+from .table import ReferenceHashTable
+from .table_base import MISSING
 
 __all__ = [
     "DumpError", "PendingDump", "dump", "dump_async", "load", "read_manifest",

@@ -19,7 +19,9 @@ from . import optimizers
 from .counters import ADMISSION_REJECTIONS, ADMISSIONS, COUNTED, EVICTIONS, HITS, LOOKUPS, NUM_COUNTED, REJECTIONS
 from .hashing import EMPTY_KEY, uniform_from_keys
 from .optimizers import OptimizerConfig
-from .table import MISSING, Evicted, ReferenceHashTable, highest_per_key, sum_by_key
+from .batch_keys import highest_per_key, sum_by_key
+from .table import ReferenceHashTable
+from .table_base import MISSING, Evicted
 from .triton_optimizers import fused_update
 from .tiers import swap_in
 from .probe_kernels import ROW_ALIGN

@@ -35,7 +35,7 @@ from .dump import read_manifest, read_shard
 from .embedding import EmbeddingConfig, initial_embeddings, make_table
 from .optimizers import OptimizerConfig
 from .hashing import EMPTY_KEY
-from .table import MISSING, reserved_key_error
+from .table_base import MISSING, reserved_key_error
 
 LOCKED = torch.iinfo(torch.int64).max  # the score of a locked row: above every clock value
 MISSING_ROWS = ("initial", "zeros")

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .hashing import shard_of
-from .table import sum_by_key
+from .batch_keys import sum_by_key
 
 
 class ShardedDynamicEmbedding:

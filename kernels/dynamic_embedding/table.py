@@ -1,158 +1,16 @@
-"""The hash table behind a dynamic embedding: the pure-PyTorch reference engine.
-
-Storage is bucketed like HierarchicalKV: `capacity = num_buckets * bucket_size` slots, a key
-lives only in bucket `bucket_of(key)`, and each slot holds a key, a 64-bit score and one row
-of `row_dim` values (embedding followed by optimizer state). Calls address rows by slot
-index; a slot index stays valid until the next call that inserts (growth re-hashes).
-
-Stated semantics, for every backend:
-- keys are int64; `EMPTY_KEY` (int64 min) is reserved and refused.
-- duplicate keys in one call are resolved once: every copy gets the same slot.
-- new keys of one call are placed in ascending key order within their bucket, so the
-  table's layout is a function of the call sequence alone (deterministic).
-- a full bucket, at `max_capacity`, evicts its lowest-score rows not used by this call
-  (ties broken by slot index); a new key whose score is below that victim's is not stored.
-  With evict=False (grow only) a new key that finds its bucket full there is not stored.
-  Evicted keys, rows and scores are returned so a lower tier can take them.
-- below `max_capacity` the table grows (doubling) instead of evicting, when a bucket is
-  full or the load factor would pass `max_load_factor`.
-"""
-from dataclasses import dataclass
-
+"""The hash table behind a dynamic embedding: the pure-PyTorch reference engine, the test
+oracle of the Triton table. The semantics it keeps, its configuration and the types its
+calls return: table_base.py."""
 import torch
 
+from .batch_keys import first_copy, highest_per_key, last_copy
 from .hashing import EMPTY_KEY, bucket_of
 from .host_memory import host_mapped
-
-MISSING = -1  # slot index returned for a key that is not stored
-
-
-def reserved_key_error() -> ValueError:
-    return ValueError(f"key {EMPTY_KEY} is reserved (marks an empty slot)")
+from .table_base import MISSING, Evicted, HashTableBase
 
 
-def highest_per_key(n_keys: int, inverse: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """(n_keys,) int64: the highest of the scores whose inverse index names each key."""
-    out = torch.full((n_keys,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=inverse.device)
-    return out.scatter_reduce_(0, inverse, scores.to(inverse.device, torch.int64), "amax")
-
-
-def sum_by_key(
-    keys: torch.Tensor, rows: torch.Tensor, deterministic: bool = True, dedup: tuple | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(unique keys ascending, sum of each key's rows, inverse index). deterministic: rows
-    are added in a fixed order on every device; else on CUDA with atomics (index_add_),
-    much faster, in an order that varies in the last bits. dedup: torch.unique's (keys,
-    inverse, counts) of `keys`, when known."""
-    uniq, inverse, counts = dedup or torch.unique(keys, return_inverse=True, return_counts=True)
-    if deterministic and keys.is_cuda and keys.numel():
-        order = torch.argsort(inverse, stable=True)
-        return uniq, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0), inverse
-    sums = rows.new_zeros(uniq.numel(), *rows.shape[1:]).index_add_(0, inverse, rows)  # in order on CPU
-    return uniq, sums, inverse
-
-
-def _nth_occurrence(keys: torch.Tensor, reduce: str) -> torch.Tensor:
-    """(N,) bool: True at the first (amin) or last (amax) copy of each key."""
-    uniq, inverse = torch.unique(keys, return_inverse=True)
-    pick = torch.zeros(uniq.numel(), dtype=torch.int64, device=keys.device)
-    pick.scatter_reduce_(0, inverse, torch.arange(keys.numel(), device=keys.device), reduce, include_self=False)
-    mask = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
-    mask[pick] = True
-    return mask
-
-
-def _first_occurrence(keys: torch.Tensor) -> torch.Tensor:
-    return _nth_occurrence(keys, "amin")
-
-
-def _last_occurrence(keys: torch.Tensor) -> torch.Tensor:
-    return _nth_occurrence(keys, "amax")
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-@dataclass
-class Evicted:
-    keys: torch.Tensor  # (E,) int64
-    rows: torch.Tensor  # (E, row_dim)
-    scores: torch.Tensor  # (E,) int64
-
-    @staticmethod
-    def empty(row_dim: int, dtype: torch.dtype, device) -> "Evicted":
-        return Evicted(
-            torch.empty(0, dtype=torch.int64, device=device),
-            torch.empty(0, row_dim, dtype=dtype, device=device),
-            torch.empty(0, dtype=torch.int64, device=device),
-        )
-
-
-@dataclass
-class EvictedBuffers:
-    """insert_and_evict's evicted rows, in buffers of one entry per key of the call: the
-    first `count` entries are the evicted keys, rows and scores, the rest undefined.
-    count: (1,) int64 on the table's device, so that no caller waits for the GPU to
-    learn it (HierarchicalKV's insert_and_evict returns its count the same way)."""
-
-    keys: torch.Tensor  # (N,) int64
-    rows: torch.Tensor  # (N, row_dim)
-    scores: torch.Tensor  # (N,) int64
-    count: torch.Tensor  # (1,) int64
-
-    @staticmethod
-    def allocate(n: int, row_dim: int, dtype: torch.dtype, device) -> "EvictedBuffers":
-        return EvictedBuffers(
-            torch.empty(n, dtype=torch.int64, device=device),
-            torch.empty(n, row_dim, dtype=dtype, device=device),
-            torch.empty(n, dtype=torch.int64, device=device),
-            torch.zeros(1, dtype=torch.int64, device=device),
-        )
-
-    def evicted(self) -> Evicted:
-        """The evicted rows as an Evicted (reads the count: waits for the GPU)."""
-        e = int(self.count)
-        return Evicted(self.keys[:e], self.rows[:e], self.scores[:e])
-
-
-class ReferenceHashTable:
+class ReferenceHashTable(HashTableBase):
     """Bucketed int64 → row table in plain PyTorch (CPU or CUDA); the test oracle."""
-
-    deterministic = True
-
-    def __init__(
-        self,
-        row_dim: int,
-        capacity: int = 1024,
-        max_capacity: int | None = None,
-        bucket_size: int = 32,
-        max_load_factor: float = 0.75,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        evict: bool = True,
-        host_rows: bool = False,
-    ):
-        if bucket_size <= 0 or row_dim <= 0:
-            raise ValueError("bucket_size and row_dim must be positive")
-        self.row_dim = row_dim
-        # counts calls that may move keys between slots (inserts, erasures, growth): a
-        # slot looked up earlier is still the key's while it is unchanged
-        self.placements = 0
-        self.bucket_size = bucket_size
-        self.max_load_factor = max_load_factor
-        self.evict = evict
-        # rows in pinned host memory, reached in place from a CUDA device (host_memory.py);
-        # keys and scores stay on the device
-        self.host_rows = host_rows
-        self.dtype = dtype
-        self.device = torch.device(device)
-        # power-of-two bucket counts: doubling splits each bucket in two, so a re-hash
-        # never overflows a bucket
-        num_buckets = _pow2_at_least(-(-capacity // bucket_size))
-        max_capacity = max(max_capacity or 0, num_buckets * bucket_size)
-        self.max_num_buckets = _pow2_at_least(-(-max_capacity // bucket_size))
-        self._allocate(num_buckets)
 
     # ---- storage -------------------------------------------------------------------------
     def _allocate(self, num_buckets: int) -> None:
@@ -167,34 +25,6 @@ class ReferenceHashTable:
         if self.host_rows:
             return host_mapped((capacity, self.row_dim), self.dtype, self.device)[1]
         return torch.zeros(capacity, self.row_dim, dtype=self.dtype, device=self.device)
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.numel()
-
-    @property
-    def max_capacity(self) -> int:
-        return self.max_num_buckets * self.bucket_size
-
-    def size(self) -> int:
-        return int(self.size_on_device())
-
-    def size_on_device(self) -> torch.Tensor:
-        """The number of stored keys as a () int64 tensor on the table's device (no wait
-        for the GPU until it is read)."""
-        return (self.keys != EMPTY_KEY).sum()
-
-    def load_factor(self) -> float:
-        return self.size() / self.capacity
-
-    def _check_keys(self, keys: torch.Tensor, reserved_ok: bool = False) -> torch.Tensor:
-        """keys on the table's device; refuses the reserved key unless reserved_ok (a read
-        that never matches it), which saves waiting for the GPU to check."""
-        if keys.dtype != torch.int64 or keys.dim() != 1:
-            raise TypeError(f"keys must be a 1-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
-        if not reserved_ok and keys.numel() and bool((keys == EMPTY_KEY).any()):
-            raise reserved_key_error()
-        return keys.to(self.device)
 
     # ---- lookups -------------------------------------------------------------------------
     def find(self, keys: torch.Tensor) -> torch.Tensor:
@@ -258,7 +88,7 @@ class ReferenceHashTable:
         not stored keep their input). Returns find_or_insert's result."""
         slots, inserted, evicted = self.find_or_insert(keys, scores, return_evicted)
         if self.deterministic and keys.numel():  # the first copy of a new key is the one
-            inserted = inserted & _first_occurrence(keys)
+            inserted = inserted & first_copy(keys)
         self._store_rows(slots, inserted, values)
         self._load_rows(torch.where(inserted, MISSING, slots), values)  # inserted rows hold their values already
         return slots, inserted, evicted
@@ -279,38 +109,11 @@ class ReferenceHashTable:
         keys = self._check_keys(keys)
         if keys.numel() == 0:
             return Evicted.empty(self.row_dim, self.dtype, self.device)
-        last = _last_occurrence(keys)
+        last = last_copy(keys)
         slots, _, evicted = self.find_or_insert(keys[last], scores.to(self.device)[last], return_evicted)
         ok = slots != MISSING
         self.values[slots[ok]] = rows.to(self.device, self.dtype)[last][ok]
         return evicted
-
-    def insert_and_evict(
-        self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, out: EvictedBuffers | None = None
-    ) -> EvictedBuffers:
-        """insert_or_assign, its evicted rows returned in buffers with their count on the
-        device (EvictedBuffers): `out`'s, of at least N entries (a caller calling often
-        keeps them), or new ones. The reserved key is skipped, not refused: refusing it
-        would take a wait for the GPU, which this call exists to avoid."""
-        keys = keys.to(self.device, torch.int64).reshape(-1)
-        out = self._evicted_buffers(keys.numel(), out)
-        kept = keys != EMPTY_KEY
-        lost = self.insert_or_assign(keys[kept], rows.to(self.device)[kept], scores.to(self.device)[kept])
-        e = lost.keys.numel()
-        out.keys[:e], out.rows[:e], out.scores[:e] = lost.keys, lost.rows, lost.scores
-        out.count.fill_(e)
-        return out
-
-    def _evicted_buffers(self, n: int, out: EvictedBuffers | None) -> EvictedBuffers:
-        """`out` checked, its count zeroed; or new buffers of n entries."""
-        if out is None:
-            return EvictedBuffers.allocate(n, self.row_dim, self.dtype, self.device)
-        if out.keys.shape[0] < n or out.scores.shape[0] < n or out.rows.shape[0] < n or out.rows.shape[1:] != (self.row_dim,):
-            raise ValueError(f"out holds {out.keys.shape[0]} entries of rows {tuple(out.rows.shape[1:])}: the call needs {n} of ({self.row_dim},)")
-        if out.rows.dtype != self.dtype or not out.rows.is_contiguous() or out.count.shape != (1,):
-            raise ValueError("out.rows must be contiguous rows of the table's dtype and out.count a (1,) int64 tensor")
-        out.count.zero_()
-        return out
 
     def assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Overwrites the rows (and scores, if given) of keys already stored, last copy
@@ -318,26 +121,17 @@ class ReferenceHashTable:
         keys = self._check_keys(keys)
         slots = self.find(keys)
         found = slots != MISSING
-        last = _last_occurrence(keys)
+        last = last_copy(keys)
         write = found & last
         self.values[slots[write]] = rows.to(self.device, self.dtype)[write]
         if scores is not None:
             self.scores[slots[write]] = scores.to(self.device, torch.int64)[write]
         return found
 
-    def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor, scores: torch.Tensor) -> Evicted:
-        """Adds deltas to the rows of keys (copies of a key summed); a missing key is
-        inserted with its summed delta as its row."""
-        keys = self._check_keys(keys)
-        if keys.numel() == 0:
-            return Evicted.empty(self.row_dim, self.dtype, self.device)
-        uniq, summed, inverse = sum_by_key(keys, deltas.to(self.device, self.dtype), self.deterministic)
-        slots, inserted, evicted = self.find_or_insert(uniq, highest_per_key(uniq.numel(), inverse, scores))
-        ok = slots != MISSING
-        self.values[slots[inserted]] = summed[inserted]
-        old = ok & ~inserted
-        self.values[slots[old]] += summed[old]
-        return evicted
+    def _write_sums(self, slots: torch.Tensor, inserted: torch.Tensor, sums: torch.Tensor) -> None:
+        self.values[slots[inserted]] = sums[inserted]
+        old = (slots != MISSING) & ~inserted
+        self.values[slots[old]] += sums[old]
 
     def erase(self, keys: torch.Tensor) -> int:
         """Removes keys; returns how many were present."""
@@ -360,15 +154,6 @@ class ReferenceHashTable:
         return self.keys[keep], self.values[keep], self.scores[keep]
 
     # ---- placement -----------------------------------------------------------------------
-    def _make_room(self, new_rows: int) -> None:
-        """Grows until new_rows more rows keep the load factor; counting the stored rows
-        (a pass over every key) only while the table can still grow."""
-        if self.num_buckets >= self.max_num_buckets:
-            return
-        target = self.size() + new_rows
-        while target > self.max_load_factor * self.capacity and self.num_buckets < self.max_num_buckets:
-            self._grow()
-
     def _grow(self) -> None:
         keys, rows, scores = self.export()
         self._allocate(min(self.num_buckets * 2, self.max_num_buckets))

@@ -1,5 +1,6 @@
-"""The Triton hash table: the reference table's semantics, with the memory-bound work in
-Triton kernels.
+"""The Triton hash table: the semantics of table_base.py (those the reference table keeps),
+with the memory-bound work in Triton kernels. It shares no algorithm with the reference:
+a differential test between the two can catch a bug in either.
 
 Each slot also carries a one-byte digest (the hash's top byte): a probe reads a bucket's
 digests (bucket_size bytes, compared 8 at a time, the second half only for keys not in
@@ -23,18 +24,19 @@ import weakref
 
 import torch
 
+from .batch_keys import first_copy, highest_per_key, last_copy
 from .claim_kernels import claim, new_call
-from .hashing import EMPTY_KEY
+from .hashing import EMPTY_KEY, bucket_of
 from .host_memory import host_mapped
 from .probe_kernels import (
     _DIGESTS, _HEADS, _KEYS, _MARKS, _MASK, _MODE, _SCORES, _VALUES, _WAITS, DESCRIPTOR_WORDS, EVICT, GROW, KEEP,
     ROW_ALIGN, TableStack, probe,
 )
 from .slot_kernels import choose_slots, copy_rows, count_rows, export_rows, gather_victims, release_slots, write_slots
-from .table import MISSING, Evicted, EvictedBuffers, ReferenceHashTable, reserved_key_error
+from .table_base import MISSING, Evicted, EvictedBuffers, HashTableBase, reserved_key_error
 
 
-class TritonHashTable(ReferenceHashTable):
+class TritonHashTable(HashTableBase):
     """The reference table's calls on Triton kernels. Bucket sizes must be powers of two.
 
     deterministic=True: results and layout equal the reference's, bit for bit.
@@ -86,7 +88,7 @@ class TritonHashTable(ReferenceHashTable):
         At max capacity with return_evicted=False it does not wait: the reserved key is
         then not refused but never stored (slot -1), as in a collection's lookup."""
         if self.deterministic:
-            return super().find_or_insert(keys, scores, return_evicted)
+            return self._insert_in_order(keys, scores, return_evicted)
         keys, scores = self._claim_input(keys, scores)
         if keys.numel() == 0:
             return keys.clone(), keys.bool(), Evicted.empty(self.row_dim, self.dtype, self.device)
@@ -134,7 +136,12 @@ class TritonHashTable(ReferenceHashTable):
     def find_or_insert_values(self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, return_evicted: bool = True):
         """As the reference's; rows move inside the claim where _rows_in_claim."""
         if not self._rows_in_claim(return_evicted):
-            return super().find_or_insert_values(keys, scores, values, return_evicted)
+            slots, inserted, evicted = self.find_or_insert(keys, scores, return_evicted)
+            if self.deterministic and keys.numel():  # the first copy of a new key is the one
+                inserted = inserted & first_copy(keys.to(self.device))
+            self._store_rows(slots, inserted, values)
+            self._load_rows(torch.where(inserted, MISSING, slots), values)  # inserted rows hold their values already
+            return slots, inserted, evicted
         keys, scores = self._claim_input(keys, scores)
         self._check_buffer(values, keys.numel())
         if keys.numel() == 0:
@@ -162,10 +169,16 @@ class TritonHashTable(ReferenceHashTable):
             copy_rows(self.values, slots, values, None, self.row_dim)
 
     def insert_or_assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, return_evicted: bool = True) -> Evicted:
-        if self.deterministic:
-            return super().insert_or_assign(keys, rows, scores, return_evicted)
         rows = rows.to(self.device, self.dtype).contiguous()
         self._check_buffer(rows, keys.numel())
+        if self.deterministic:  # the last copy of a key wins
+            keys = self._check_keys(keys)
+            if keys.numel() == 0:
+                return Evicted.empty(self.row_dim, self.dtype, self.device)
+            last = last_copy(keys)
+            slots, _, evicted = self.find_or_insert(keys[last], scores.to(self.device)[last], return_evicted)
+            copy_rows(rows[last].contiguous(), None, self.values, slots, self.row_dim, self.host_rows)
+            return evicted
         if self._rows_in_claim(return_evicted):
             keys, scores = self._claim_input(keys, scores)
             claim(self.stack, keys, scores, self.bucket_size, rows=rows, row_stride=self.row_stride, victims=False, assign=True)
@@ -203,7 +216,12 @@ class TritonHashTable(ReferenceHashTable):
         return values[:, : self.row_dim]
 
     def _allocate(self, num_buckets: int) -> None:
-        super()._allocate(num_buckets)
+        self.placements += 1
+        self.num_buckets = num_buckets
+        capacity = num_buckets * self.bucket_size
+        self.keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=self.device)
+        self.scores = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self.values = self._new_values(capacity)
         # padded to whole 64-bit words, which probes read (_digest_words)
         self.digests = torch.zeros(-(-self.capacity // 8) * 8, dtype=torch.uint8, device=self.device)[: self.capacity]
         self._marks = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)  # the last call that used a row
@@ -248,7 +266,11 @@ class TritonHashTable(ReferenceHashTable):
 
     def _place(self, new_keys: torch.Tensor, new_scores: torch.Tensor, used_keys: torch.Tensor) -> Evicted:
         S = self.bucket_size
-        buckets, keys_sorted, scores_sorted, rank = self._by_bucket(new_keys, new_scores)
+        # by bucket (stable: ascending keys stay so within one), each key's rank among its
+        # bucket's new keys: its place past the first of its bucket
+        buckets, order = torch.sort(bucket_of(new_keys, self.num_buckets), stable=True)
+        rank = torch.arange(order.numel(), device=self.device) - torch.searchsorted(buckets, buckets)
+        keys_sorted, scores_sorted = new_keys[order].contiguous(), new_scores[order].contiguous()
         at_max = self.num_buckets >= self.max_num_buckets
         if not at_max:  # grow instead of evicting when any bucket lacks room
             free = (self.digests.view(self.num_buckets, S)[buckets] == 0).sum(1)
@@ -271,6 +293,68 @@ class TritonHashTable(ReferenceHashTable):
             evicted = Evicted(victim_keys[v], self.values[slots[v]].clone(), victim_scores[v])
         write_slots(slots, keys_sorted, scores_sorted, self.keys, self.scores, self.digests)
         return evicted
+
+    def _insert_in_order(self, keys: torch.Tensor, scores: torch.Tensor, return_evicted: bool):
+        """Deterministic find_or_insert: the batch deduplicated in torch (ascending keys, each
+        with its copies' highest score), probed, and its new keys placed by the slot
+        kernels in ascending key order within their buckets."""
+        keys = self._check_keys(keys)
+        self.placements += 1
+        lost = Evicted.empty(self.row_dim, self.dtype, self.device)
+        if keys.numel() == 0:
+            return keys.clone(), keys.bool(), lost
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        top = highest_per_key(uniq.numel(), inverse, scores)
+        slots = self._probe(uniq)
+        new = slots == MISSING
+        n_new = int(new.sum())
+        if n_new:
+            self._make_room(n_new)
+            lost = self._place(uniq[new], top[new], used_keys=uniq[~new])
+            slots = self._probe(uniq)  # growth moves rows; keys that lost stay absent
+        stored = slots != MISSING
+        self.scores[slots[stored]] = top[stored]
+        if not return_evicted:
+            lost = Evicted.empty(self.row_dim, self.dtype, self.device)
+        return slots[inverse], (new & stored)[inverse], lost
+
+    def assign(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Overwrites the rows (and scores, if given) of keys already stored, last copy
+        winning; never inserts. Returns which keys were found."""
+        keys = self._check_keys(keys).contiguous()
+        rows = rows.to(self.device, self.dtype).contiguous()
+        self._check_buffer(rows, keys.numel())
+        if keys.numel() == 0:
+            return keys.bool()
+        slots = self._probe(keys)
+        found = slots != MISSING
+        write = torch.where(found & last_copy(keys), slots, MISSING)
+        copy_rows(rows, None, self.values, write, self.row_dim, self.host_rows)
+        if scores is not None:
+            w = write != MISSING
+            self.scores[write[w]] = scores.to(self.device, torch.int64)[w]
+        return found
+
+    def _write_sums(self, slots: torch.Tensor, inserted: torch.Tensor, sums: torch.Tensor) -> None:
+        copy_rows(sums.contiguous(), None, self.values, torch.where(inserted, slots, MISSING), self.row_dim, self.host_rows)
+        added = (slots != MISSING) & ~inserted
+        self.values[slots[added]] += sums[added]
+
+    def erase(self, keys: torch.Tensor) -> int:
+        """Removes keys; returns how many were present."""
+        keys = self._check_keys(keys).contiguous()
+        if keys.numel() == 0:
+            return 0
+        slots = self._probe(keys)
+        present = torch.unique(slots[slots != MISSING]).numel()
+        self._clear(slots)  # absent keys' lanes (-1) skip
+        return present
+
+    def _grow(self) -> None:
+        keys, rows, scores = self.export()
+        self._allocate(min(2 * self.num_buckets, self.max_num_buckets))
+        self._place(keys, scores, used_keys=keys[:0])  # a doubled power-of-two table has room for every row
+        copy_rows(rows, None, self.values, self._probe(keys), self.row_dim, self.host_rows)
 
     def export(self, min_score: int | None = None):
         starts, total = count_rows(self.keys, self.scores, min_score)
