@@ -51,10 +51,10 @@ class DeferredSigtermBroadcast:
 
 def defer_sigterm_broadcast(trainer) -> bool:
     """Puts a DeferredSigtermBroadcast in place of the training loop's per-step broadcast,
-    where this Lightning has one; whether it did."""
+    where this Lightning has one (a new one each fit: nothing pending from an earlier fit);
+    whether it did."""
     loop = trainer.fit_loop.epoch_loop
     if not hasattr(loop, "_broadcast_sigterm_tensor"):
         return False
-    if not isinstance(loop._broadcast_sigterm_tensor, DeferredSigtermBroadcast):
-        loop._broadcast_sigterm_tensor = DeferredSigtermBroadcast(trainer)
+    loop._broadcast_sigterm_tensor = DeferredSigtermBroadcast(trainer)
     return True
