@@ -12,6 +12,7 @@ from lightning_modules.evaluate import ranking_metrics, target_ranks
 from lightning_modules.hstu import HSTU
 from lightning_modules.losses import catalog_softmax_loss, sampled_softmax_loss
 from lightning_modules.module import HSTULightningModule
+from lightning_modules.sigterm import DeferredSigtermBroadcast
 
 SMALL = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, embedding_dim=16, max_seq_len=12, num_negatives=5, batch_size=4)
 
@@ -156,3 +157,5 @@ def test_training_step_on_batches_with_and_without_targets():
     assert trainer.global_step == 3
     assert module.items.item_table.stats().size > 2  # items and negatives got rows
     assert any(not torch.equal(w, p) for w, p in zip(weights, module.model.parameters()))
+    # the ranks' SIGTERM agreement without a wait per step (sigterm.py) is the loop's
+    assert isinstance(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor, DeferredSigtermBroadcast)
