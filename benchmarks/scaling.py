@@ -175,7 +175,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
 
     from lightning_modules.config import preset
     from lightning_modules.data import SequenceDataModule
-    from lightning_modules.flops import sequence_cost, step_flops
+    from lightning_modules.flops import sequence_cost, step_flops, step_negatives
     from lightning_modules.module import HSTULightningModule
     from lightning_modules.train import precision_for
 
@@ -188,7 +188,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
                               random_windows=config.random_windows, seed=config.seed,
                               cost=sequence_cost(config, len(catalog)) if config.balanced_batches else None)
     module = HSTULightningModule(config, catalog)
-    negatives = min(config.num_negatives, len(catalog))
+    negatives = step_negatives(config, len(catalog))
 
     class Passes(L.Callback):
         """Steps warmup .. warmup+steps plain, the next `steps` with collectives timed. A

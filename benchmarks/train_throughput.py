@@ -40,7 +40,7 @@ from benchmarks.results_path import write_results  # noqa: E402
 from lightning_modules.config import PRESETS, preset  # noqa: E402
 from lightning_modules.data import SequenceDataModule  # noqa: E402
 from lightning_modules.datasets import prepare  # noqa: E402
-from lightning_modules.flops import step_flops  # noqa: E402
+from lightning_modules.flops import step_flops, step_negatives  # noqa: E402
 from lightning_modules.module import HSTULightningModule  # noqa: E402
 from lightning_modules.train import precision_for  # noqa: E402
 
@@ -158,7 +158,7 @@ def run(
     sites = sync_sites(caught)
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     lengths = timer.input_lengths()
-    negatives = min(config.num_negatives, len(catalog))
+    negatives = step_negatives(config, len(catalog))
     flops = sum(step_flops(config, x, negatives) for x in lengths)
     tflops = flops / timer.elapsed / 1e12
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name.split()), None) if device == "cuda" else None

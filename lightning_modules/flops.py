@@ -34,7 +34,13 @@ def step_flops(config: HSTUConfig, input_lengths: np.ndarray, negatives: int) ->
     return float(sequence_flops(config, input_lengths, negatives).sum())
 
 
+def step_negatives(config: HSTUConfig, catalog_size: int) -> int:
+    """The negatives a step scores: num_negatives, or the whole catalog where it is smaller
+    (the full softmax)."""
+    return min(config.num_negatives, catalog_size)
+
+
 def sequence_cost(config: HSTUConfig, catalog_size: int) -> Callable[[np.ndarray], np.ndarray]:
-    """input lengths → sequence_flops with a step's negatives (num_negatives, or the whole
-    catalog where it is smaller): what the data loader balances the ranks by."""
-    return partial(sequence_flops, config, negatives=min(config.num_negatives, catalog_size))
+    """input lengths → sequence_flops with a step's negatives: what the data loader
+    balances the ranks by."""
+    return partial(sequence_flops, config, negatives=step_negatives(config, catalog_size))

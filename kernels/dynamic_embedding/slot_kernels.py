@@ -324,6 +324,7 @@ def gather_victims(
         out_keys, out_scores, out_rows, count, BLOCK=VICTIM_BLOCK, DIM_BLOCK=min(128, next_power_of_2(row_dim)),
     )
 
+
 def initial_rows(
     keys: torch.Tensor, host_slots: torch.Tensor, slots: torch.Tensor, inserted: torch.Tensor, rows: torch.Tensor,
     seed: int, scale: float, dim: int,

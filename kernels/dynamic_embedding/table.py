@@ -3,7 +3,7 @@ oracle of the Triton table. The semantics it keeps, its configuration and the ty
 calls return: table_base.py."""
 import torch
 
-from .batch_keys import first_copy, highest_per_key, last_copy
+from .batch_keys import highest_per_key, last_copy
 from .hashing import EMPTY_KEY, bucket_of
 from .host_memory import host_mapped
 from .table_base import MISSING, Evicted, HashTableBase
@@ -13,14 +13,6 @@ class ReferenceHashTable(HashTableBase):
     """Bucketed int64 → row table in plain PyTorch (CPU or CUDA); the test oracle."""
 
     # ---- storage -------------------------------------------------------------------------
-    def _allocate(self, num_buckets: int) -> None:
-        self.placements += 1
-        cap = num_buckets * self.bucket_size
-        self.num_buckets = num_buckets
-        self.keys = torch.full((cap,), EMPTY_KEY, dtype=torch.int64, device=self.device)
-        self.scores = torch.zeros(cap, dtype=torch.int64, device=self.device)
-        self.values = self._new_values(cap)
-
     def _new_values(self, capacity: int) -> torch.Tensor:
         if self.host_rows:
             return host_mapped((capacity, self.row_dim), self.dtype, self.device)[1]
@@ -78,20 +70,6 @@ class ReferenceHashTable(HashTableBase):
         if not return_evicted:
             evicted = Evicted.empty(self.row_dim, self.dtype, self.device)
         return slots[inverse], inserted[inverse], evicted
-
-    def find_or_insert_values(
-        self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, return_evicted: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, Evicted]:
-        """find_or_insert whose `values` (N, row_dim) go both ways, as HierarchicalKV's: a
-        new key is stored with its row of values (of several copies, the one reported
-        inserted), then every row of values receives its key's stored row (rows of keys
-        not stored keep their input). Returns find_or_insert's result."""
-        slots, inserted, evicted = self.find_or_insert(keys, scores, return_evicted)
-        if self.deterministic and keys.numel():  # the first copy of a new key is the one
-            inserted = inserted & first_copy(keys)
-        self._store_rows(slots, inserted, values)
-        self._load_rows(torch.where(inserted, MISSING, slots), values)  # inserted rows hold their values already
-        return slots, inserted, evicted
 
     def _store_rows(self, slots, inserted, values):
         self.values[slots[inserted]] = values[inserted]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_keys import highest_per_key, sum_by_key
+from .batch_keys import first_copy, highest_per_key, sum_by_key
 from .hashing import EMPTY_KEY
 
 MISSING = -1  # slot index returned for a key that is not stored
@@ -83,9 +83,9 @@ class EvictedBuffers:
 
 class HashTableBase:
     """A bucketed int64 → row table's configuration and bookkeeping. Backends implement
-    _allocate (storage for a bucket count), _grow (doubling, re-placing every row),
-    _write_sums (accumulate's rows), and the calls: find, find_scores, find_or_insert,
-    find_or_insert_values, insert_or_assign, assign, erase, export."""
+    _new_values (the rows' storage), _grow (doubling, re-placing every row), the row moves
+    _store_rows, _load_rows and _write_sums (accumulate's rows), and the calls: find,
+    find_scores, find_or_insert, insert_or_assign, assign, erase, export."""
 
     deterministic = True
 
@@ -123,7 +123,17 @@ class HashTableBase:
         self._allocate(num_buckets)
 
     def _allocate(self, num_buckets: int) -> None:
-        """Empty storage for num_buckets buckets: keys, scores, values and the backend's own."""
+        """Empty storage for num_buckets buckets: every slot's key (EMPTY_KEY), score and
+        row (the backend's _new_values); a backend adds what else its slots carry."""
+        self.placements += 1
+        self.num_buckets = num_buckets
+        capacity = num_buckets * self.bucket_size
+        self.keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=self.device)
+        self.scores = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self.values = self._new_values(capacity)
+
+    def _new_values(self, capacity: int) -> torch.Tensor:
+        """(capacity, row_dim) zero rows, in pinned host memory where host_rows."""
         raise NotImplementedError
 
     def _grow(self) -> None:
@@ -166,6 +176,28 @@ class HashTableBase:
         target = self.size() + new_rows
         while target > self.max_load_factor * self.capacity and self.num_buckets < self.max_num_buckets:
             self._grow()
+
+    def find_or_insert_values(
+        self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, return_evicted: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, "Evicted"]:
+        """find_or_insert whose `values` (N, row_dim) go both ways, as HierarchicalKV's: a
+        new key is stored with its row of values (of several copies, the one reported
+        inserted), then every row of values receives its key's stored row (rows of keys
+        not stored keep their input). Returns find_or_insert's result."""
+        slots, inserted, evicted = self.find_or_insert(keys, scores, return_evicted)
+        if self.deterministic and keys.numel():  # the first copy of a new key is the one
+            inserted = inserted & first_copy(keys.to(self.device))
+        self._store_rows(slots, inserted, values)
+        self._load_rows(torch.where(inserted, MISSING, slots), values)  # inserted rows hold their values already
+        return slots, inserted, evicted
+
+    def _store_rows(self, slots: torch.Tensor, inserted: torch.Tensor, values: torch.Tensor) -> None:
+        """The rows of values whose lanes are inserted, to their slots."""
+        raise NotImplementedError
+
+    def _load_rows(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """The stored rows of slots (not MISSING) into values."""
+        raise NotImplementedError
 
     def accumulate(self, keys: torch.Tensor, deltas: torch.Tensor, scores: torch.Tensor) -> "Evicted":
         """Adds deltas to the rows of keys (copies of a key summed); a missing key is

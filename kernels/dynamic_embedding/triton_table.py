@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from .batch_keys import first_copy, highest_per_key, last_copy
+from .batch_keys import highest_per_key, last_copy
 from .claim_kernels import claim, new_call
 from .hashing import EMPTY_KEY, bucket_of
 from .host_memory import host_mapped
@@ -136,12 +136,7 @@ class TritonHashTable(HashTableBase):
     def find_or_insert_values(self, keys: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, return_evicted: bool = True):
         """As the reference's; rows move inside the claim where _rows_in_claim."""
         if not self._rows_in_claim(return_evicted):
-            slots, inserted, evicted = self.find_or_insert(keys, scores, return_evicted)
-            if self.deterministic and keys.numel():  # the first copy of a new key is the one
-                inserted = inserted & first_copy(keys.to(self.device))
-            self._store_rows(slots, inserted, values)
-            self._load_rows(torch.where(inserted, MISSING, slots), values)  # inserted rows hold their values already
-            return slots, inserted, evicted
+            return super().find_or_insert_values(keys, scores, values, return_evicted)
         keys, scores = self._claim_input(keys, scores)
         self._check_buffer(values, keys.numel())
         if keys.numel() == 0:
@@ -216,12 +211,7 @@ class TritonHashTable(HashTableBase):
         return values[:, : self.row_dim]
 
     def _allocate(self, num_buckets: int) -> None:
-        self.placements += 1
-        self.num_buckets = num_buckets
-        capacity = num_buckets * self.bucket_size
-        self.keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=self.device)
-        self.scores = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        self.values = self._new_values(capacity)
+        super()._allocate(num_buckets)
         # padded to whole 64-bit words, which probes read (_digest_words)
         self.digests = torch.zeros(-(-self.capacity // 8) * 8, dtype=torch.uint8, device=self.device)[: self.capacity]
         self._marks = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)  # the last call that used a row
