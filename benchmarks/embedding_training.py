@@ -8,16 +8,19 @@ benchmark: every table first holds every id of its range (inserted before timing
 an iteration is the lookup (forward) of every table followed by the backward with a
 given output gradient, which here is the gradient sum and the fused optimizer update.
 The tables are one DynamicEmbeddingCollection (all ten in one group: one launch per
-kernel for all tables); --per-table also times ten DynamicEmbeddings called one by one.
+kernel for all tables, tiered or not); --per-table also times ten DynamicEmbeddings called
+one by one.
 Times are CUDA events around 100 back-to-back iterations (no sync between them) after
 10 warm-up iterations, each iteration with fresh ids; host_issue_ms is the host's time to
 issue an iteration. Where it nears the GPU's, the GPU waits on the host and the mean
 measures the machine's CPU more than the kernels. Tier "host": 10% of the rows on the
 GPU, the rest in pinned host memory (worked in place by GPU kernels), the next batch's
-rows prefetched in each iteration; its tables are filled the same way, in smaller
+rows prefetched in each iteration (the collection's prefetch; one by one, each table's); its tables are filled the same way, in smaller
 lookups (a lookup's new ids must fit the device tier). --policies times the step with
 other eviction settings too: lfu (scores counting uses), admission (a new id gets a row
 on its second sighting); the path column says whether the collection grouped them.
+"GB moved": rows moved between the tiers per iteration (promotions and demotions), times
+the row's bytes (embedding and Adam state); --profile prints each run's kernels by GPU time.
 """
 import argparse
 import sys
@@ -35,6 +38,7 @@ from kernels.dynamic_embedding.collection import DynamicEmbeddingCollection  # n
 
 TABLES, CAPACITY, IDS, DIM, ALPHA = 10, 1_677_721, 104_857, 128, 1.05
 PUBLISHED_MS = {"dynamicemb_adam": 2.19, "dynamicemb_sgd": 1.92, "torchrec_adam": 1.35, "torchrec_sgd": 0.96}
+PROFILED_STEPS = 10
 PUBLISHED_HOST_MS = {"dynamicemb_adam_cached": 12.28, "dynamicemb_adam_uncached": 33.31}
 
 
@@ -49,7 +53,9 @@ def power_law_ids(n: int, high: int, alpha: float, gen: torch.Generator) -> torc
 POLICIES = {"lru": {}, "lfu": {"eviction": "lfu"}, "admission": {"admission_threshold": 2}}  # EmbeddingConfig settings
 
 
-def run(optimizer: str, iters: int, warmup: int, tier: str = "hbm", per_table: bool = False, policy: str = "lru") -> dict:
+def run(
+    optimizer: str, iters: int, warmup: int, tier: str = "hbm", per_table: bool = False, policy: str = "lru", profile: bool = False,
+) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = EmbeddingConfig(
         dim=DIM, optimizer=OptimizerConfig(name=optimizer, lr=1e-3), capacity=CAPACITY, max_capacity=CAPACITY, bucket_size=128,
@@ -68,9 +74,11 @@ def run(optimizer: str, iters: int, warmup: int, tier: str = "hbm", per_table: b
 
     def step(i: int) -> None:
         ids = batches[i]
-        if tier == "host":
+        if tier == "host" and per_table:
             for n, x in batches[i + 1].items():
                 tables[n].prefetch(x)
+        elif tier == "host":
+            tables.prefetch(batches[i + 1])
         if per_table:
             for n, x in ids.items():
                 tables[n].lookup(x)
@@ -79,9 +87,13 @@ def run(optimizer: str, iters: int, warmup: int, tier: str = "hbm", per_table: b
             tables.lookup(ids)
             tables.apply_gradients(ids, grads)
 
+    def moved() -> int:  # rows moved between the tiers so far, both ways
+        return sum(s.promotions + s.demotions for s in tables.stats().values())
+
     for i in range(warmup):
         step(i)
     torch.cuda.synchronize()
+    moved_before = moved()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     issue = time.perf_counter()
@@ -91,11 +103,20 @@ def run(optimizer: str, iters: int, warmup: int, tier: str = "hbm", per_table: b
     end.record()
     torch.cuda.synchronize()
     stats = tables.stats()
+    moves = (moved() - moved_before) / iters
+    if profile:  # the GPU's time per kernel over PROFILED_STEPS more iterations
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for i in range(warmup, warmup + PROFILED_STEPS):
+                step(i)
+            torch.cuda.synchronize()
+        print(f"{tier} {'one by one' if per_table else 'grouped'}, {PROFILED_STEPS} iterations:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     return {
         "optimizer": optimizer, "tables": TABLES, "capacity": CAPACITY, "ids_per_table": IDS, "dim": DIM, "alpha": ALPHA,
         "iterations": iters, "ms_mean": start.elapsed_time(end) / iters, "host_issue_ms": issue * 1e3 / iters, "tier": tier,
         "policy": policy, "path": "one by one" if per_table or tables.single else "grouped",
         "rows_per_table_after": sum(s.size for s in stats.values()) / TABLES,
+        "tier_moves_per_iter": moves, "tier_gb_per_iter": moves * config.row_bytes() / 1e9,
         "published_ms": PUBLISHED_HOST_MS if tier == "host" else {k: v for k, v in PUBLISHED_MS.items() if k.endswith(optimizer)},
     }
 
@@ -106,6 +127,7 @@ def main() -> None:
     p.add_argument("--host-tier", action="store_true", help="also run Adam with 10%% of rows on the GPU")
     p.add_argument("--per-table", action="store_true", help="also time the tables called one by one")
     p.add_argument("--policies", nargs="+", default=["lru"], choices=sorted(POLICIES), help="eviction settings to time")
+    p.add_argument("--profile", action="store_true", help="print each run's kernels by GPU time")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/embedding_training_<gpu>.json)")
@@ -119,12 +141,15 @@ def main() -> None:
             rows.append(run(o, args.iters, args.warmup, per_table=True))
             torch.cuda.empty_cache()
     if args.host_tier:
-        rows.append(run("adam", args.iters, args.warmup, tier="host"))
+        rows.append(run("adam", args.iters, args.warmup, tier="host", profile=args.profile))
+        if args.per_table:
+            torch.cuda.empty_cache()
+            rows.append(run("adam", args.iters, args.warmup, tier="host", per_table=True))
     print(f"\n{torch.cuda.get_device_name()}: forward + backward + update, ms per iteration")
-    print(f"{'optimizer':<10}{'policy':<10}{'tier':<6}{'path':<12}{'mean':>8}{'host':>8}   published (H100)")
+    print(f"{'optimizer':<10}{'policy':<10}{'tier':<6}{'path':<12}{'mean':>8}{'host':>8}{'GB moved':>10}   published (H100)")
     for r in rows:
         print(f"{r['optimizer']:<10}{r['policy']:<10}{r['tier']:<6}{r['path']:<12}{r['ms_mean']:>8.2f}{r['host_issue_ms']:>8.2f}"
-              f"   {r['published_ms']}")
+              f"{r['tier_gb_per_iter']:>10.3f}   {r['published_ms']}")
     if any(r["host_issue_ms"] > 0.9 * r["ms_mean"] for r in rows):
         print("host: the time to issue an iteration is close to its GPU time: those rows measure this machine's host")
     write_results("embedding_training", rows, args.out)

@@ -28,6 +28,17 @@ def sequence_batch(lengths: list[int], dim: int = 16, seed: int = 0) -> tuple[to
     return torch.randn(total, dim, generator=gen), torch.randint(0, 10**6, (total,), generator=gen).sort().values, offsets
 
 
+def assert_same_rows(a, b) -> None:
+    """Two DynamicEmbeddings hold the same rows (both tiers): keys and scores equal,
+    embeddings and optimizer state to rounding (gradients summed in another order)."""
+    ka, ea, sa, ca = a.export_rows()
+    kb, eb, sb, cb = b.export_rows()
+    oa, ob = ka.argsort(), kb.argsort()
+    assert torch.equal(ka[oa], kb[ob]) and torch.equal(ca[oa], cb[ob])
+    torch.testing.assert_close(ea[oa], eb[ob], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sa[oa], sb[ob], rtol=1e-5, atol=1e-6)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

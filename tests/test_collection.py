@@ -2,6 +2,7 @@
 trained one by one by their own DynamicEmbedding."""
 import pytest
 import torch
+from conftest import assert_same_rows
 from hypothesis import given, settings, strategies as st
 
 from kernels.dynamic_embedding import DynamicEmbedding, EmbeddingConfig, EMPTY_KEY, OptimizerConfig
@@ -28,15 +29,6 @@ def configs(max_capacity: int) -> dict[str, EmbeddingConfig]:
             capacity=16, max_capacity=max_capacity,
         ),
     }
-
-
-def assert_same_rows(a: DynamicEmbedding, b: DynamicEmbedding) -> None:
-    ka, ea, sa, ca = a.export_rows()
-    kb, eb, sb, cb = b.export_rows()
-    oa, ob = ka.argsort(), kb.argsort()
-    assert torch.equal(ka[oa], kb[ob]) and torch.equal(ca[oa], cb[ob])
-    torch.testing.assert_close(ea[oa], eb[ob], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sa[oa], sb[ob], rtol=1e-5, atol=1e-6)
 
 
 def test_collection_groups_features_by_layout():

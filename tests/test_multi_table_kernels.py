@@ -88,8 +88,9 @@ def test_segment_rows(counted):
     assert torch.equal(counts, want_counts)
 
 
-def test_init_rows():
-    row_dim = 3 * DIM + 1  # adam's row
+@pytest.mark.parametrize("whole_rows", [False, True])
+def test_init_rows(whole_rows):
+    row_dim = 2 * DIM + 1  # a row of 11 values, padded to 16 (whole rows zero the padding too)
     got, want = tables(2, row_dim), tables(2, row_dim)
     n = 120
     keys, tids, slots = lanes(3, got, n)
@@ -101,11 +102,18 @@ def test_init_rows():
     inserted &= owner[tids * CAPACITY + slots] == torch.arange(n, device=DEVICE)
     count = torch.tensor([100], dtype=torch.int32, device=DEVICE)
     seeds, scales = seeds_and_scales(5)
-    kernels.init_rows(keys, tids, slots, inserted, count, got, seeds, scales, DIM)
-    twins.init_rows_reference(keys, tids, slots, inserted, count, want, seeds, scales, DIM)
+    for stack in (got, want):  # padding that whole rows overwrite and the others keep
+        for t in stack.tables:
+            torch.as_strided(t.values, (CAPACITY, t.row_stride), (t.row_stride, 1))[:, row_dim:] = 7.0
+    kernels.init_rows(keys, tids, slots, inserted, count, got, seeds, scales, DIM, whole_rows)
+    twins.init_rows_reference(keys, tids, slots, inserted, count, want, seeds, scales, DIM, whole_rows)
     for a, b in zip(state(got), state(want)):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+    for a, b in zip(got.tables, want.tables):
+        full = [torch.as_strided(t.values, (CAPACITY, t.row_stride), (t.row_stride, 1)) for t in (a, b)]
+        assert torch.equal(full[0], full[1])
+        assert bool((full[0][:, row_dim:] == 0).any()) == whole_rows
     assert not all(torch.equal(x[3], y[3]) for x, y in zip(state(got), state(tables(2, row_dim))))  # rows were written
 
 
@@ -168,11 +176,21 @@ def test_admit():
             assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "rowwise_adagrad"])
-def test_update_segments(optimizer):
+def with_host_tiers(stack: kernels.TableStack, seed: int, row_dim: int) -> kernels.TableStack:
+    """The stack's tables, then TABLES more as their host tiers (tiers.Tiers' layout)."""
+    host = tables(seed, row_dim)
+    return kernels.TableStack(torch.cat([stack.desc, host.desc]), stack.tables + host.tables)
+
+
+@pytest.mark.parametrize("optimizer,tiered", [("sgd", False), ("adam", False), ("rowwise_adagrad", False), ("adam", True)])
+def test_update_segments(optimizer, tiered):
+    """tiered: every other segment's row is in its table's host tier (table + TABLES), and
+    takes its table's gradients."""
     cfg = OptimizerConfig(name=optimizer, lr=0.1)
     row_dim = DIM + cfg.state_dim(DIM)
     got, want = tables(13, row_dim), tables(13, row_dim)
+    if tiered:
+        got, want = with_host_tiers(got, 16, row_dim), with_host_tiers(want, 16, row_dim)
     for stack in (got, want):  # optimizer state as it starts: zeros
         for t in stack.tables:
             t.values[:, DIM:] = 0
@@ -183,6 +201,9 @@ def test_update_segments(optimizer):
     number, count, seg_keys, seg_tids, rows, rowless = twins.number_segments_reference(keys, tids)
     slots = torch.stack([t.find(seg_keys) for t in got.tables])[seg_tids, torch.arange(keys.numel(), device=DEVICE)]
     twins.segment_rows_reference(seg_tids, slots, count, rows, rowless, torch.zeros(TABLES, NUM_COUNTED, dtype=torch.int64, device=DEVICE), None, None)
+    if tiered:
+        host = (torch.arange(rows.numel(), device=DEVICE) % 2 == 1) & (rows >= 0)
+        rows[:] = torch.where(host, rows + (TABLES << twins.SLOT_BITS), rows)
     g = torch.Generator().manual_seed(15)
     grads = [torch.randn(s, DIM, generator=g).to(DEVICE) for s in sizes]
     bounds = torch.tensor([0, 90, 90, 230], device=DEVICE)
@@ -190,7 +211,10 @@ def test_update_segments(optimizer):
     kernels.update_segments(number, rows, count, kernels.Gradients(grads, ptrs, bounds), got, DIM, cfg)
     twins.update_segments_reference(number, rows, count, kernels.Gradients(grads, ptrs, bounds), want, DIM, cfg)
     changed = 0
-    for a, b, before in zip(state(got), state(want), state(tables(13, row_dim))):
+    before = tables(13, row_dim)
+    if tiered:
+        before = with_host_tiers(before, 16, row_dim)
+    for a, b, before in zip(state(got), state(want), state(before)):
         torch.testing.assert_close(a[3], b[3], rtol=1e-5, atol=1e-6)
         changed += int((a[3][:, :DIM] != before[3][:, :DIM]).any(1).sum())
     assert changed > 0

@@ -7,8 +7,10 @@
 
 Each feature keeps its own DynamicEmbedding: its own capacity, eviction, statistics and
 dumps (`tables["user"]`). Tables that can share launches form groups (table_group.py):
-one launch per kernel for all of a group's tables. Other tables are served one by one by
-their DynamicEmbedding, with the same results.
+one launch per kernel for all of a group's tables; tiered tables (device_capacity) form
+groups of their own (tiered_group.py). Other tables are served one by one by their
+DynamicEmbedding, with the same results. `prefetch` moves the next batch's host rows of
+tiered tables to the device ahead of its lookup, as DynamicEmbedding.prefetch.
 
 Features and tables: by default each table is one feature of its name. `features` maps
 feature names to tables instead, several features sharing one table (as one id space read
@@ -28,6 +30,7 @@ import torch
 
 from .embedding import DynamicEmbedding, EmbeddingConfig, TableStats
 from .table_group import MAX_GROUP, TableGroup, fusable
+from .tiered_group import TieredTableGroup
 
 MODE_READ_WRITE, MODE_READ_ONLY, MODE_WRITE_FIRST = "read_write", "read_only", "write_first"
 FEATURE_MODES = (MODE_READ_WRITE, MODE_READ_ONLY, MODE_WRITE_FIRST)
@@ -61,10 +64,10 @@ class DynamicEmbeddingCollection:
         for name, emb in self.tables.items():
             if fusable(emb):
                 c = emb.config
-                by_layout.setdefault((c.dim, c.optimizer, c.bucket_size), []).append(name)
+                by_layout.setdefault((c.dim, c.optimizer, c.bucket_size, emb.host is not None), []).append(name)
         self.groups = [
-            TableGroup(names[i : i + MAX_GROUP], [self.tables[n] for n in names[i : i + MAX_GROUP]])
-            for names in by_layout.values() for i in range(0, len(names), MAX_GROUP)
+            (TieredTableGroup if tiered else TableGroup)(names[i : i + MAX_GROUP], [self.tables[n] for n in names[i : i + MAX_GROUP]])
+            for (*_, tiered), names in by_layout.items() for i in range(0, len(names), MAX_GROUP)
         ]
         grouped = {n for g in self.groups for n in g.names}
         self.single = [n for n in self.tables if n not in grouped]  # served one by one
@@ -190,6 +193,24 @@ class DynamicEmbeddingCollection:
         for n in self.single:
             if n in ids:
                 self.tables[n].apply_gradients(ids[n], grads[n])
+
+    def prefetch(self, ids: dict[str, torch.Tensor]) -> None:
+        """Moves the host rows of each feature's ids (the next batch's, looked up after
+        this step's update) to the device ahead of their lookup, as
+        DynamicEmbedding.prefetch does table by table; tables without a host tier are
+        left alone."""
+        self._check(ids)
+        # (joined without _join's memory, which keeps this step's ids for its update)
+        by_table = {
+            t: torch.cat([ids[n].reshape(-1) for n in names]) if len(names) > 1 else ids[names[0]]
+            for t, names in self._by_table(ids, read_only=False).items()
+        }
+        for g in self.groups:
+            if isinstance(g, TieredTableGroup) and any(n in by_table for n in g.names):
+                g.prefetch(self._ids_of(g, by_table))
+        for n in self.single:
+            if n in by_table:
+                self.tables[n].prefetch(by_table[n])
 
     def stats(self) -> dict[str, TableStats]:
         return {n: emb.stats() for n, emb in self.tables.items()}

@@ -23,9 +23,9 @@ from .batch_keys import highest_per_key, sum_by_key
 from .table import ReferenceHashTable
 from .table_base import MISSING, Evicted
 from .triton_optimizers import fused_update
-from .tiers import swap_in
+from .tiers import swap_in, tiers_of
 from .probe_kernels import ROW_ALIGN
-from .slot_kernels import copy_rows
+from .multi_table_kernels import SLOT_BITS, gather_embeddings
 
 # score of a row: lru = step of last use; lfu = uses so far; epoch_lru / epoch_lfu = epoch in
 # the high 32 bits, step or uses within the epoch in the low 32; custom = given by the
@@ -217,6 +217,7 @@ class DynamicEmbedding:
         self._swaps = (
             self.host is not None and self._fused and not self.table.deterministic and self.counters is None
         )
+        self._tier_stack = tiers_of([self.table], [self.host], [self._init], [None]) if self._swaps else None
 
     @property
     def dim(self) -> int:
@@ -279,24 +280,33 @@ class DynamicEmbedding:
         emb = self.table.values[:, : self.dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
         missing = (~present).nonzero().squeeze(1)
         if missing.numel():
-            emb[missing] = self._rows_off_device(uniq[missing], take=False)[0][:, : self.dim]
+            rows, in_host = self._rows_off_device(uniq[missing], take=False)
+            emb[missing] = rows[:, : self.dim]
+            if not train or self.config.read_only:  # (a training lookup counted its hits above)
+                self._counts[HITS] += in_host
         return emb[inverse]
 
     def _swap_lookup(self, uniq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """A training lookup's distinct ids through swap_in: embeddings (U, dim)."""
-        rows = torch.empty(uniq.numel(), self.config.row_dim, device=self.device)
-        s = swap_in(self.table, self.host, uniq, scores, rows, self._init)
-        emb = rows[:, : self.dim].contiguous()  # ids without a device row: their host row
-        copy_rows(self.table.values, s.slots, emb, None, self.dim)
-        stored, n_promoted = s.slots >= 0, s.promoted.sum()
+        """A training lookup's distinct ids through swap_in: embeddings (U, dim), each id's
+        row's where a tier holds it, else its initial embedding."""
+        tids = torch.zeros_like(uniq, dtype=torch.int32)
+        s = swap_in(self._tier_stack, uniq, tids, scores)
+        stored = s.slots >= 0
+        # each id's row as the grouped path addresses it: (tier << SLOT_BITS) | slot
+        rows = torch.where(stored, s.slots, torch.where(s.held, (1 << SLOT_BITS.value) | s.host_slots, -1))
+        rowless = (rows < 0).any().to(torch.int32).view(1)
+        emb = torch.empty(uniq.numel(), self.dim, device=self.device)
+        number = torch.arange(uniq.numel(), dtype=torch.int32, device=self.device)
+        gather_embeddings(number, rows, uniq, tids, rowless, self._tier_stack.stack, self._tier_stack.seeds, self._tier_stack.scales, emb)
+        n_promoted = s.promoted.sum()
         self._counts[: EVICTIONS + 1] += torch.stack([  # in COUNTED's order (a tiered table admits no ids)
             torch.tensor(uniq.numel(), device=self.device),
             (stored & ~s.inserted).sum() + n_promoted + (s.held & ~s.made).sum(),  # hits, in either tier
             (s.inserted & ~s.promoted).sum() + s.made.sum(),  # inserts, in either tier
             (~stored & ~s.held).sum(),  # rejections: ids with no row in any tier
-            s.lost,
+            s.lost.sum(),
         ])
-        self._moves += torch.stack([n_promoted, s.demoted])
+        self._moves += torch.stack([n_promoted, s.demoted.sum()])
         return emb
 
     @property
@@ -368,10 +378,9 @@ class DynamicEmbedding:
         else:
             wanted, scores = in_host, self.host.scores[host_slots.clamp(min=0)]
         if self._swaps:  # ids in neither tier are left out
-            rows = torch.empty(uniq.numel(), self.config.row_dim, device=self.device)
-            s = swap_in(self.table, self.host, torch.where(wanted, uniq, EMPTY_KEY), scores, rows, self._init)
-            self._moves += torch.stack([s.promoted.sum(), s.demoted])
-            self._counts[EVICTIONS] += s.lost
+            s = swap_in(self._tier_stack, torch.where(wanted, uniq, EMPTY_KEY), torch.zeros_like(uniq, dtype=torch.int32), scores)
+            self._moves += torch.stack([s.promoted.sum(), s.demoted.sum()])
+            self._counts[EVICTIONS] += s.lost.sum()
             return
         keys, scores = uniq[wanted], scores[wanted]
         slots, inserted, evicted = self.table.find_or_insert(keys, scores)
@@ -384,7 +393,13 @@ class DynamicEmbedding:
         if policy == "custom":
             if given is None:
                 raise ValueError("the custom eviction policy needs scores in lookup()")
-            return highest_per_key(uniq.numel(), inverse, given)
+            highest = highest_per_key(uniq.numel(), inverse, given)
+            if self.host is None:
+                return highest
+            # a row that moves up from host memory keeps a higher score it had there, as a
+            # row found on the device does
+            slots, stored = self.host.find_scores(uniq)
+            return torch.where(slots != MISSING, torch.maximum(highest, stored), highest)
         if policy in STEP_POLICIES:
             return torch.full_like(uniq, self._step_score(self.step))
         old = torch.zeros_like(uniq)  # lfu: uses so far (in either tier) + uses in this batch

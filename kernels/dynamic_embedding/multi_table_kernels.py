@@ -212,18 +212,20 @@ def _segments_kernel(seg_ptr, n, starts_ptr, partial_ptr, dim, LONG: tl.constexp
 
 
 @triton.jit
-def _grad_rows(table, grad_ptrs_ptr, lane_start_ptr, dim):
+def _grad_rows(table, grad_ptrs_ptr, lane_start_ptr, dim, tables):
     """For lanes of these tables (a valid index everywhere): where row 0 of their table's
     gradients would be if lanes were numbered from 0 across the group, so that lane l's
     gradient starts at the result + l * dim (lane l of table t is row l - lane_start[t]
-    of the gradient tensor at address grad_ptrs[t])."""
+    of the gradient tensor at address grad_ptrs[t]). Of `tables` gradient tensors: a
+    row of table t + tables (a host tier, tiers.Tiers) takes table t's."""
+    table = table % tables
     grads = tl.load(grad_ptrs_ptr + table).to(tl.pointer_type(tl.float32))
     return grads - tl.load(lane_start_ptr + table) * dim
 
 
 @triton.jit(do_not_specialize=["n"])
 def _long_segment_sum_kernel(
-    order_ptr, seg_ptr, starts_ptr, rows_ptr, n, grad_ptrs_ptr, lane_start_ptr, partial_ptr, dim,
+    order_ptr, seg_ptr, starts_ptr, rows_ptr, n, grad_ptrs_ptr, lane_start_ptr, grad_tables, partial_ptr, dim,
     LONG: tl.constexpr, TILE: tl.constexpr, DIM: tl.constexpr,
 ):
     """Adds the gradients of the lanes in tiles of TILE sorted positions that lie more
@@ -239,7 +241,7 @@ def _long_segment_sum_kernel(
             begin = tl.load(starts_ptr + seg, mask=late, other=0)
             cols = tl.arange(0, DIM)
             lane = tl.load(order_ptr + i, mask=i < n, other=0)
-            grads = _grad_rows(tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, dim)
+            grads = _grad_rows(tl.maximum(packed, 0) >> SLOT_BITS, grad_ptrs_ptr, lane_start_ptr, dim, grad_tables)
             g = tl.load(grads[:, None] + lane[:, None] * dim + cols[None, :], mask=late[:, None] & (cols[None, :] < dim), other=0.0)
             # one add per segment piece in the tile: most tiles of a hot id hold one piece
             pending = late
@@ -253,8 +255,8 @@ def _long_segment_sum_kernel(
 
 @triton.jit(do_not_specialize=["n"])
 def _segment_update_kernel(
-    order_ptr, starts_ptr, rows_ptr, count_ptr, n, grad_ptrs_ptr, lane_start_ptr, partial_ptr, desc_ptr, dim, row_stride,
-    lr, beta1, beta2, eps, weight_decay, max_norm,
+    order_ptr, starts_ptr, rows_ptr, count_ptr, n, grad_ptrs_ptr, lane_start_ptr, grad_tables, partial_ptr, desc_ptr, dim,
+    row_stride, lr, beta1, beta2, eps, weight_decay, max_norm,
     OPT: tl.constexpr, CLIP: tl.constexpr, LONG: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,
 ):
     """One optimizer step for each of BLOCK segments (distinct rows) with the sum of its
@@ -282,7 +284,7 @@ def _segment_update_kernel(
             g = tl.load(partial_ptr + (begin // LONG)[:, None] * dim + cols[None, :], mask=long[:, None] & (cols[None, :] < dim), other=0.0)
             # the address of each segment's gradients computed once, and its next lane loaded
             # while this one's gradient is
-            grads = _grad_rows(t, grad_ptrs_ptr, lane_start_ptr, dim)
+            grads = _grad_rows(t, grad_ptrs_ptr, lane_start_ptr, dim, grad_tables)
             lane = tl.load(order_ptr + begin, mask=length > 0, other=0)
             for j in range(0, tl.max(length, axis=0)):
                 on = j < length
@@ -427,14 +429,16 @@ def segment_rows(seg_tids, slots, count, rows, rowless, counts, inserting, count
     )
 
 
-def init_rows(keys, tids, slots, inserted, count, stack: TableStack, seeds, scales, dim: int) -> None:
+def init_rows(keys, tids, slots, inserted, count, stack: TableStack, seeds, scales, dim: int, whole_rows: bool = False) -> None:
     """The rows of the segments (of count[0]) a claim inserted: their initial embedding
-    (seeds[t], scales[t] of their table), then zeros to the row's end."""
+    (seeds[t], scales[t] of their table), then zeros to the row's end; whole_rows: to its
+    stride (whole 64-byte lines, as host memory takes them fastest)."""
     n = keys.numel()
     table = stack.tables[0]
     launch(
         _init_rows_kernel, (cdiv(n, LANE_BLOCK),),
-        keys, tids, slots, inserted.view(torch.int8), count, stack.desc, seeds, scales, dim, table.row_dim, table.row_stride,
+        keys, tids, slots, inserted.view(torch.int8), count, stack.desc, seeds, scales, dim,
+        table.row_stride if whole_rows else table.row_dim, table.row_stride,
         BLOCK=LANE_BLOCK, SUB=LANE_SUB, DIM_BLOCK=min(64, next_power_of_2(dim)),
     )
 
@@ -505,12 +509,12 @@ def update_segments(number, rows, count, grads: Gradients, stack: TableStack, di
     block = max(1, min(64, UPDATE_ELEMENTS // dim_block))  # segments per program
     launch(
         _long_segment_sum_kernel, resident_grid(cdiv(n, SUM_TILE), device, SUM_PROGRAMS),
-        order, seg, starts, rows, n, grads.ptrs, grads.lane_bounds, partial, dim,
+        order, seg, starts, rows, n, grads.ptrs, grads.lane_bounds, len(grads.tensors), partial, dim,
         LONG=LONG_SEGMENT, TILE=SUM_TILE, DIM=dim_block, num_warps=SUM_WARPS,
     )
     launch(
         _segment_update_kernel, resident_grid(cdiv(n, block), device, UPDATE_PROGRAMS),
-        order, starts, rows, count, n, grads.ptrs, grads.lane_bounds, partial, stack.desc, dim,
+        order, starts, rows, count, n, grads.ptrs, grads.lane_bounds, len(grads.tensors), partial, stack.desc, dim,
         stack.tables[0].row_stride, **optimizer_args(optimizer), LONG=LONG_SEGMENT, BLOCK=block, DIM=dim_block,
         num_warps=UPDATE_WARPS,
     )

@@ -70,9 +70,9 @@ def segment_rows_reference(seg_tids, slots, count, rows, rowless, counts, insert
             counts[table, REJECTIONS] += (lookups - hits) * int(inserting[table])
 
 
-def init_rows_reference(keys, tids, slots, inserted, count, stack, seeds, scales, dim: int) -> None:
+def init_rows_reference(keys, tids, slots, inserted, count, stack, seeds, scales, dim: int, whole_rows: bool = False) -> None:
     """Rows of the inserted ones of the count[0] segments: their initial embedding, then
-    zeros to the row's end (the optimizer state)."""
+    zeros to the row's end (the optimizer state), or with whole_rows to its stride."""
     c = int(count[0])
     new = inserted[:c].bool()
     k, t, s = keys[:c][new], tids[:c][new].to(torch.int64), slots[:c][new]
@@ -80,6 +80,8 @@ def init_rows_reference(keys, tids, slots, inserted, count, stack, seeds, scales
     for table in t.unique().tolist():
         mine = t == table
         values = stack.tables[table].values
+        if whole_rows:  # the padding past row_dim too
+            values = torch.as_strided(values, (values.shape[0], values.stride(0)), (values.stride(0), 1))
         values[s[mine], :dim] = emb[mine]
         values[s[mine], dim:] = 0
 

@@ -1,7 +1,7 @@
 """Triton kernels on a hash table's slots and rows outside the claim: the deterministic
 mode's placement (choose slots reading only, then write them), releasing slots, counting
-and exporting rows, copying rows between tables and buffers, gathering a claim's victims,
-and a tiered table's initial rows. Each is called through a launcher here, whose PyTorch
+and exporting rows, copying rows between tables and buffers, and gathering a claim's
+victims. Each is called through a launcher here, whose PyTorch
 twin of the same signature is in slot_reference.py (tests/test_slot_kernels.py holds
 them together).
 """
@@ -11,7 +11,6 @@ import triton.language as tl
 
 from ..launch import launch, next_power_of_2
 from .claim_kernels import PLACE_BLOCK
-from .multi_table_kernels import _initial_embedding
 from .probe_kernels import FIND_BLOCK, FIND_WARPS, K_ABOVE_ALL, K_EMPTY_KEY, _digest, _grid, _hash
 
 
@@ -177,35 +176,11 @@ def _gather_victims_kernel(
             tl.store(out_row_ptr + at[:, None] * row_dim + cols[None, :], row, mask=m)
 
 
-@triton.jit
-def _initial_rows_kernel(
-    key_ptr, host_slot_ptr, slot_ptr, inserted_ptr, rows_ptr, n, seed, scale, dim, row_dim,
-    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
-):
-    """rows[i] = key i's initial row (embedding, zero optimizer state) where the key has no
-    host row and needs one: it was inserted on the device, or it has no device row."""
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = lanes < n
-    key = tl.load(key_ptr + lanes, mask=live, other=K_EMPTY_KEY)
-    need = live & (key != K_EMPTY_KEY) & (tl.load(host_slot_ptr + lanes, mask=live, other=0) < 0)
-    need = need & ((tl.load(inserted_ptr + lanes, mask=live, other=0) != 0) | (tl.load(slot_ptr + lanes, mask=live, other=0) < 0))
-    if tl.max(need.to(tl.int32), axis=0) > 0:
-        row = rows_ptr + lanes[:, None].to(tl.int64) * row_dim
-        seeds, scales = seed + tl.zeros([BLOCK], tl.int64), scale + tl.zeros([BLOCK], tl.float64)
-        for c in range(0, dim, DIM_BLOCK):
-            cols = c + tl.arange(0, DIM_BLOCK)
-            tl.store(row + cols[None, :], _initial_embedding(key, seeds, scales, cols), mask=need[:, None] & (cols[None, :] < dim))
-        for c in range(dim, row_dim, DIM_BLOCK):
-            cols = c + tl.arange(0, DIM_BLOCK)
-            tl.store(row + cols[None, :], tl.zeros([BLOCK, DIM_BLOCK], tl.float32), mask=need[:, None] & (cols[None, :] < row_dim))
-
-
 # ---- launchers (twins: slot_reference.py) --------------------------------------------------
 
 RELEASE_BLOCK = 256  # slots per program of release_slots
 EXPORT_BLOCK = 256  # slots per program of count_rows and export_rows
 VICTIM_BLOCK = 256  # lanes per program of gather_victims: one atomic add per program
-INIT_BLOCK = 64  # lanes per program of initial_rows, which most lanes skip
 
 
 def release_slots(slots: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, digests: torch.Tensor) -> None:
@@ -322,22 +297,4 @@ def gather_victims(
         _gather_victims_kernel, _grid(n, VICTIM_BLOCK),
         evicted.view(torch.int8), slots, victim_keys, victim_scores, values, values.stride(0), n, row_dim,
         out_keys, out_scores, out_rows, count, BLOCK=VICTIM_BLOCK, DIM_BLOCK=min(128, next_power_of_2(row_dim)),
-    )
-
-
-def initial_rows(
-    keys: torch.Tensor, host_slots: torch.Tensor, slots: torch.Tensor, inserted: torch.Tensor, rows: torch.Tensor,
-    seed: int, scale: float, dim: int,
-) -> None:
-    """rows[i] (N, row_dim) float32, contiguous = key i's initial row (its embedding of
-    `dim` values under seed and scale, then zero optimizer state) where the key (not the
-    reserved one) has no host row (host_slots[i] < 0) and needs one: inserted on the
-    device, or left without a device row (slots[i] < 0). Other rows are left."""
-    n = keys.numel()
-    if n == 0:
-        return
-    launch(
-        _initial_rows_kernel, _grid(n, INIT_BLOCK),
-        keys, host_slots, slots, inserted.view(torch.int8), rows, n, seed, scale, dim, rows.shape[1], BLOCK=INIT_BLOCK,
-        DIM_BLOCK=min(64, next_power_of_2(dim)),
     )

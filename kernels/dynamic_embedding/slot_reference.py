@@ -5,7 +5,7 @@ helper is shared with the kernels.
 """
 import torch
 
-from .hashing import EMPTY_KEY, hash64, uniform_from_keys
+from .hashing import EMPTY_KEY, hash64
 
 EXPORT_BLOCK = 256  # as slot_kernels.EXPORT_BLOCK: count_rows reports where each block starts
 
@@ -100,9 +100,3 @@ def gather_victims_reference(evicted, slots, victim_keys, victim_scores, values,
     out_scores[start:end] = victim_scores[lanes]
     out_rows[start:end] = values[slots[lanes]]
     count += lanes.numel()
-
-
-def initial_rows_reference(keys, host_slots, slots, inserted, rows, seed, scale, dim) -> None:
-    need = (keys != EMPTY_KEY) & (host_slots < 0) & (inserted.bool() | (slots < 0))
-    u = uniform_from_keys(keys[need], dim, seed)
-    rows[need] = torch.cat([((2 * u - 1) * scale).to(torch.float32), rows.new_zeros(int(need.sum()), rows.shape[1] - dim)], 1)

@@ -1,8 +1,9 @@
 """A group of dynamic embedding tables of one row layout, looked up and trained in one
 launch per kernel (a DynamicEmbeddingCollection's groups).
 
-Tables that are Triton tables in fast mode, with float32 rows and no host tier (fusable),
-and that share dim, optimizer and bucket size form a group, whatever their eviction
+Tables that are Triton tables in fast mode, with float32 rows (fusable), and that share
+dim, optimizer, bucket size and whether they have a host tier form a group (tiered ones a
+TieredTableGroup, tiered_group.py), whatever their eviction
 policies and admission thresholds. A group of step-scored tables (lru, epoch_lru, none)
 passes one score per table to the claim; where a member counts uses (lfu, epoch_lfu) or
 is scored by the caller (custom, `lookup(..., scores=)`), the claim gets a score per id,
@@ -46,10 +47,12 @@ POLICY_CODES = {"lfu": LFU, "epoch_lfu": EPOCH_LFU, "custom": CUSTOM}
 
 
 def fusable(emb: DynamicEmbedding) -> bool:
+    """Whether a table can join a group: a TableGroup, or with a host tier a
+    TieredTableGroup (tiered tables that admit ids are served one by one)."""
     t = emb.table
     return (
         isinstance(t, TritonHashTable) and not t.deterministic and t.dtype == torch.float32
-        and emb.host is None
+        and (emb.host is None or emb.counters is None)
     )
 
 
@@ -217,6 +220,15 @@ class TableGroup:
             return x
         return x.to(self.device, torch.int64).reshape(-1)
 
+    def _flat_lanes(self, given: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The members' ids as one call's lanes: (keys, each lane's member), or None for
+        a call without ids."""
+        ids = [self._flat_ids(x) for x in given]
+        sizes = tuple(x.numel() for x in ids)
+        if sum(sizes) == 0:
+            return None
+        return torch.cat(ids), self._lanes(sizes)[0]
+
     # ---- lookup ---------------------------------------------------------------------------
     def lookup(self, given: list[torch.Tensor], train: bool, scores: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """scores: each member's given scores (custom policy members), else None."""
@@ -232,19 +244,28 @@ class TableGroup:
         if train:
             for m in self.members:
                 m.table.placements += 1  # the claim below inserts and evicts
-            stored = self._stored(r) if self.per_key_scores else None
-            gate = self._gate(r, stored) if self.admitting else None
-            slots, inserted = self._claim(r, self._claim_scores(r, stored, ids, scores), gate.barred if gate else None)
-            if gate is not None:
-                self._admit(r, gate, slots, inserted)
-            init_rows(r.keys, r.tids, slots, inserted, r.count, self._stack(), self._seeds, self._scales, self.dim)
+            self._train_rows(r, ids, scores)
         else:
-            slots = probe(self._stack(), r.keys, self.bucket_size, 0, r.tids, count=r.count)
-        self._rows(r, slots, counted=train)
+            self._find_rows(r, counted=False)
         gather_embeddings(r.number, r.rows, r.keys, r.tids, r.rowless, self._stack(), self._seeds, self._scales, out)
         r.placements = self._placements()
         self.routing = r
         return list(out.split(sizes))
+
+    def _train_rows(self, r: _Routing, ids: list[torch.Tensor], scores: list | None) -> None:
+        """A training lookup's rows: claimed (admitted first where a member admits), new
+        ones initialised; sets r.rows and counts the lookup."""
+        stored = self._stored(r) if self.per_key_scores else None
+        gate = self._gate(r, stored) if self.admitting else None
+        slots, inserted = self._claim(r, self._claim_scores(r, stored, ids, scores), gate.barred if gate else None)
+        if gate is not None:
+            self._admit(r, gate, slots, inserted)
+        init_rows(r.keys, r.tids, slots, inserted, r.count, self._stack(), self._seeds, self._scales, self.dim)
+        self._rows(r, slots, counted=True)
+
+    def _find_rows(self, r: _Routing, counted: bool | None) -> None:
+        """Sets r.rows from the rows stored (nothing inserted); counted as _rows."""
+        self._rows(r, probe(self._stack(), r.keys, self.bucket_size, 0, r.tids, count=r.count), counted)
 
     def _claim_scores(self, r: _Routing, stored, ids: list[torch.Tensor], scores: list | None) -> tuple[torch.Tensor, int, bool]:
         """The claim's scores: (per table, their offset, True), or (per segment, 0, False)."""
@@ -323,10 +344,11 @@ class TableGroup:
         again, inserted_again = self._claim(r, scored, barred)
         return again, inserted | inserted_again
 
-    def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None) -> None:
-        """Sets r.rows from the segments' slots; counted (train or not): also counts the
+    def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None, tids: torch.Tensor | None = None) -> None:
+        """Sets r.rows from the segments' slots in their tables (tids: the stack's tables
+        they are in, if not the segments' own); counted (train or not): also counts the
         lookup in the members' statistics."""
-        segment_rows(r.tids, slots, r.count, r.rows, r.rowless, self._counts, self._inserting, counted)
+        segment_rows(r.tids if tids is None else tids, slots, r.count, r.rows, r.rowless, self._counts, self._inserting, counted)
 
     def _route(self, ids: tuple, keys, tids) -> _Routing:
         """Numbers the lanes by segment, one per distinct (table, id): each lane's taker,
@@ -341,14 +363,11 @@ class TableGroup:
             m.step += p
         r, self.routing = self.routing, None
         if r is None or len(r.ids) != len(given) or any(a is not b for a, b in zip(r.ids, given)) or r.placements != self._placements():
-            ids = [self._flat_ids(x) for x in given]
-            sizes = tuple(x.numel() for x in ids)
-            if sum(sizes) == 0:
+            lanes = self._flat_lanes(given)
+            if lanes is None:
                 return
-            keys = torch.cat(ids)
-            tids, _ = self._lanes(sizes)
-            r = self._route(tuple(given), keys, tids)
-            self._rows(r, probe(self._stack(), r.keys, self.bucket_size, 0, r.tids, count=r.count), counted=None)
+            r = self._route(tuple(given), *lanes)
+            self._find_rows(r, counted=None)
         grads = [g if g.device == self.device and g.dtype == torch.float32 and g.is_contiguous()
                  else g.to(self.device, torch.float32).contiguous() for g in grads]
         _, lane_bounds = self._lanes(tuple(x.numel() for x in r.ids))

@@ -1,78 +1,131 @@
-"""Moving rows between the device tier and the host tier of a tiered table in one pass.
+"""Moving rows between the device tier and the host tier of tiered tables in one pass.
 
 `swap_in` gives a call's keys device rows: rows found in host memory move up, the device
 rows their inserts evict move down, and new keys get their initial rows, all by lanes
-(one key each) with masks, so that nothing waits for the GPU. It serves Triton tables in
-fast mode whose tiers are allocated at their full capacity (they never grow); other
+(one key of one table each) with masks, so that nothing waits for the GPU. The tables are
+addressed together (`Tiers`): one table's calls (DynamicEmbedding) and a collection's
+group of tiered tables (TieredTableGroup) run the same launches. It serves Triton tables
+in fast mode whose tiers are allocated at their full capacity (they never grow); other
 tables take DynamicEmbedding's general path, its oracle in the tests.
 """
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .hashing import EMPTY_KEY
 from .claim_kernels import claim
-from .probe_kernels import probe
-from .slot_kernels import copy_rows, initial_rows
-from .triton_table import TritonHashTable
+from .hashing import EMPTY_KEY
+from .multi_table_kernels import init_rows
+from .probe_kernels import TableStack, probe
+from .tier_kernels import PROTECT, RELEASE, exchange_tier_rows, mark_tier_slots
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """T tiered tables addressed together. stack: their T device tiers, then their T host
+    tiers in the same order (table t's host tier is t + T); seeds and scales (2T,) on the
+    device: each tier's initial rows' (both tiers of a table alike); dim: the embedding's
+    width within a row."""
+
+    stack: TableStack
+    tables: int
+    bucket_size: int
+    seeds: torch.Tensor
+    scales: torch.Tensor
+    dim: int
+
+    @property
+    def row_dim(self) -> int:
+        return self.stack.tables[0].row_dim
 
 
 class Swapped(NamedTuple):
-    """swap_in's result, on the device. Per lane (N,): slots, the device slot (-1: none);
-    inserted, whether the lane's key was inserted there (one copy of a key is); promoted,
-    whether its row came up from the host tier; held, whether a key without a device row
-    has a host row after the call; made, whether that host row was made by the call.
-    Counts: demoted, device rows moved to the host tier; lost, rows that no tier kept."""
+    """swap_in's result, on the device, per lane (N,). slots: the device slot (-1: none);
+    inserted: whether the lane's key was inserted there (one copy of a key is);
+    promoted: whether its row came up from the host tier; held: whether a key without a
+    device row has a host row after the call, at host_slots; made: whether that host row
+    was made by the call; demoted: whether the lane's insert moved a device row down;
+    lost: whether the lane's insert cost a row that no tier kept (its device victim, or
+    a host row its victim or its key evicted)."""
 
     slots: torch.Tensor
     inserted: torch.Tensor
     promoted: torch.Tensor
     held: torch.Tensor
+    host_slots: torch.Tensor
     made: torch.Tensor
     demoted: torch.Tensor
     lost: torch.Tensor
 
 
 def swap_in(
-    device: TritonHashTable, host: TritonHashTable, keys: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor,
-    init: tuple[int, float, int],
+    tiers: Tiers, keys: torch.Tensor, tids: torch.Tensor, scores: torch.Tensor, count: torch.Tensor | None = None,
+    table_scores: bool = False, score_offset: int = 0,
 ) -> Swapped:
-    """Device rows for `keys` (N,) with `scores` (EMPTY_KEY lanes: skipped; copies of a
-    key share its row, and one of them is reported inserted).
+    """Device rows for `keys` (N,) of tables `tids` (N,), with `scores` (N,), or with
+    table_scores one per table plus score_offset (as claim takes them). EMPTY_KEY lanes,
+    and lanes from count[0] on where a count is given, are skipped; copies of a key share
+    its row, and one of them is reported inserted.
 
-    rows (N, row_dim) float32, contiguous, receives for each key without a device row, or
-    inserted there, the row it had outside the device tier: its host row where host
-    memory has one, else its initial row (init: seed, scale and dim of the embedding: as
-    DynamicEmbedding.initial_rows). A key found in host memory moves to the device
-    (promoted); a key in neither tier is inserted with its initial row. Device rows that
-    the inserts evict move to host memory (demoted). A key the device tier cannot take
-    (its bucket's rows all used by this call, or of higher scores) keeps its host row,
-    whose score it raises, or is given one there with its initial row: its row is then
-    trained in host memory. The host tier takes both in one claim, so none of them evicts
-    another's row; a full host bucket evicts its lowest-score row not used by the call
-    (lost).
+    A key found in host memory moves to the device (promoted); a key in neither tier is
+    inserted with its initial row. Device rows that the inserts evict move to host memory
+    (demoted). A key the device tier cannot take (its bucket's rows all used by this
+    call, or of higher scores) keeps its host row, whose score it raises, or is given one
+    there with its initial row: its row is then trained in host memory. The host tier
+    takes both in one claim, so none of them evicts another's row; a full host bucket
+    evicts its lowest-score row not used by the call (lost). The host rows that move up
+    are kept from that claim (their slots are emptied after it: the rows demoted in the
+    same call go elsewhere), so no row is staged in a buffer.
     """
-    n = keys.numel()
-    host_slots = probe(host.stack, keys, host.bucket_size, host.row_stride)
-    copy_rows(host.values, host_slots, rows, None, host.row_dim)
-    slots, inserted, evicted, victim_keys, victim_scores = claim(device.stack, keys, scores, device.bucket_size)
-    device.placements += 1
-    initial_rows(keys, host_slots, slots, inserted, rows, *init)
-    promoted = inserted & (host_slots >= 0)
-    host._clear(torch.where(promoted, host_slots, -1))  # their rows are in `rows` now
+    stack, host, n = tiers.stack, tiers.tables, keys.numel()
+    live = keys != EMPTY_KEY
+    if count is not None:
+        live &= torch.arange(n, device=keys.device) < count
+    host_tids = tids + host
+    from_host = probe(stack, keys, tiers.bucket_size, 0, host_tids, count=count)
+    slots, inserted, evicted, victim_keys, victim_scores = claim(
+        stack, keys, scores, tiers.bucket_size, tids, table_scores=table_scores, count=count, score_offset=score_offset,
+    )
+    if count is not None:  # (flags past the count are unset)
+        inserted, evicted = inserted & live, evicted & live
+    promoted = inserted & (from_host >= 0)
+    moving_up = torch.where(promoted, from_host, -1)
+    mark_tier_slots(stack, tids, moving_up, host, PROTECT, count)
     # one host claim per lane: an evicting lane's victim (its slot still holds the
     # victim's row: it moves down before the new row comes in), or a key left without a
     # device row
-    rowless = (slots < 0) & (keys != EMPTY_KEY)
+    rowless = live & (slots < 0)
+    key_scores = scores[torch.where(live, tids, 0).long()] + score_offset if table_scores else scores
     down, down_inserted, host_evicted, _, _ = claim(
-        host.stack, torch.where(evicted, victim_keys, torch.where(rowless, keys, EMPTY_KEY)),
-        torch.where(evicted, victim_scores, scores), host.bucket_size,
+        stack, torch.where(evicted, victim_keys, torch.where(rowless, keys, EMPTY_KEY)),
+        torch.where(evicted, victim_scores, key_scores), tiers.bucket_size, host_tids, count=count,
     )
-    host.placements += 1
-    copy_rows(device.values, torch.where(evicted, slots, -1), host.values, down, device.row_dim, whole_rows=True)
+    counted = _counted(count, keys)
+    # victims down and host rows up, in one pass over PCIe both ways
+    exchange_tier_rows(stack, tids, slots, torch.where(evicted, down, -1), moving_up, host, tiers.row_dim, count)
+    init_rows(keys, tids, slots, inserted & ~promoted, counted, stack, tiers.seeds, tiers.scales, tiers.dim)
     made = rowless & down_inserted
-    copy_rows(rows, torch.where(made, torch.arange(n, device=keys.device), -1), host.values, down, device.row_dim, whole_rows=True)
-    copy_rows(rows, None, device.values, torch.where(inserted, slots, -1), device.row_dim)
-    demoted = (evicted & (down >= 0)).sum()
-    lost = (evicted & (down < 0)).sum() + host_evicted.sum()
-    return Swapped(slots, inserted, promoted, rowless & (down >= 0), made, demoted, lost)
+    init_rows(keys, host_tids, down, made, counted, stack, tiers.seeds, tiers.scales, tiers.dim, whole_rows=True)
+    mark_tier_slots(stack, tids, moving_up, host, RELEASE, count)
+    for t in stack.tables:
+        t.placements += 1
+    held = rowless & (down >= 0)
+    demoted = evicted & (down >= 0)
+    lost = (evicted & (down < 0)) | (host_evicted & live)
+    return Swapped(slots, inserted, promoted, held, down, made, demoted, lost)
+
+
+def _counted(count: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """init_rows' count: the given one, or every lane."""
+    return count if count is not None else torch.full((1,), keys.numel(), dtype=torch.int32, device=keys.device)
+
+
+def tiers_of(devices: list, hosts: list, inits: list[tuple[int, float, int]], modes: list[int | None]) -> Tiers:
+    """Tiers of tables given by their device tiers, host tiers (Triton tables, in one
+    order), initial rows' (seed, scale, dim) and claim modes (None: each table's own)."""
+    tables = list(devices) + list(hosts)
+    first = tables[0]
+    desc = torch.stack([t.descriptor(m) for t, m in zip(tables, list(modes) * 2)])
+    seeds = torch.tensor([i[0] for i in inits] * 2, dtype=torch.int64).to(first.device)
+    scales = torch.tensor([i[1] for i in inits] * 2, dtype=torch.float64).to(first.device)
+    return Tiers(TableStack(desc, tables), len(devices), first.bucket_size, seeds, scales, inits[0][2])

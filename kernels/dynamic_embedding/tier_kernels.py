@@ -1,0 +1,115 @@
+"""Kernels that move rows between the tiers of tiered tables addressed together (tiers.py):
+a TableStack whose first T tables are the device tiers and whose next T are their host
+tiers, in the same order, so that table t's host tier is table t + T.
+
+A lane names its table by tids[i]; its host tier is table tids[i] + T (the caller gives
+the offset, which saves it a tensor of shifted ids). Lanes whose slot is negative are
+skipped, and with `count` (a device scalar) so are lanes from count[0] on.
+
+Twins: tier_reference.py, held against these in tests/test_tier_kernels.py.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..launch import cdiv, launch, next_power_of_2
+from .probe_kernels import K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, TableStack, _field
+
+TIER_BLOCK, TIER_WARPS = 16, 4  # lanes per program of exchange_tier_rows, and its warps
+TIER_DIM_BLOCK = 128  # columns it moves at a time (benchmarks/embedding_tuning.md)
+MARK_BLOCK = 256  # lanes per program of mark_tier_slots
+PROTECT, RELEASE = 0, 1  # mark_tier_slots' actions
+K_PROTECT = tl.constexpr(PROTECT)  # (kernels read only constexpr globals)
+
+
+@triton.jit
+def _live_lanes(count_ptr, n, BLOCK: tl.constexpr, COUNTED: tl.constexpr):
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if COUNTED:
+        n = tl.minimum(n, tl.load(count_ptr))
+    return lanes, lanes < n
+
+
+@triton.jit(do_not_specialize=["n"])
+def _exchange_tier_rows_kernel(
+    tid_ptr, slot_ptr, down_ptr, up_ptr, n, count_ptr, desc_ptr, host, width, row_stride, COUNTED: tl.constexpr,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):
+    """For each lane, in table tid[i]'s two tiers: the device row at slot[i] moves to the
+    host tier at down[i] (written whole, up to the stride) and the host row at up[i] moves
+    into the device slot (either move only where its slot is >= 0). Both rows are read
+    before either is written, so one pass moves rows both ways over PCIe at once."""
+    lanes, live = _live_lanes(count_ptr, n, BLOCK, COUNTED)
+    t = tl.load(tid_ptr + lanes, mask=live, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + lanes, mask=live, other=-1)
+    down = tl.load(down_ptr + lanes, mask=live, other=-1)
+    up = tl.load(up_ptr + lanes, mask=live, other=-1)
+    live = live & (slot >= 0)
+    going, coming = live & (down >= 0), live & (up >= 0)
+    t = tl.where(live, t, 0)
+    device_row = tl.multiple_of(_field(desc_ptr, t, _VALUES).to(tl.pointer_type(tl.float32)) + slot * row_stride, ROW_ALIGN)
+    host_values = _field(desc_ptr, t + host, _VALUES).to(tl.pointer_type(tl.float32))
+    down_row = tl.multiple_of(host_values + down * row_stride, ROW_ALIGN)
+    up_row = tl.multiple_of(host_values + up * row_stride, ROW_ALIGN)
+    for c in range(0, row_stride, DIM_BLOCK):
+        cols = c + tl.arange(0, DIM_BLOCK)
+        inside = cols[None, :] < width
+        old = tl.load(device_row[:, None] + cols[None, :], mask=going[:, None] & inside, other=0.0)
+        new = tl.load(up_row[:, None] + cols[None, :], mask=coming[:, None] & inside)
+        tl.store(down_row[:, None] + cols[None, :], old, mask=going[:, None] & (cols[None, :] < row_stride))
+        tl.store(device_row[:, None] + cols[None, :], new, mask=coming[:, None] & inside)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _mark_tier_slots_kernel(
+    tid_ptr, slot_ptr, offset, n, count_ptr, desc_ptr, ACTION: tl.constexpr, COUNTED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """PROTECT: the rows at the lanes' slots get the highest score (no claim evicts them);
+    RELEASE: the slots are emptied (key, score and digest cleared)."""
+    lanes, live = _live_lanes(count_ptr, n, BLOCK, COUNTED)
+    slot = tl.load(slot_ptr + lanes, mask=live, other=-1)
+    live = live & (slot >= 0)
+    t = tl.where(live, tl.load(tid_ptr + lanes, mask=live, other=0).to(tl.int64) + offset, 0)
+    scores = _field(desc_ptr, t, _SCORES).to(tl.pointer_type(tl.int64)) + slot
+    if ACTION == K_PROTECT:
+        tl.store(scores, tl.full([BLOCK], K_ABOVE_ALL, tl.int64), mask=live)
+    else:
+        tl.store(_field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64)) + slot, tl.full([BLOCK], K_EMPTY_KEY, tl.int64), mask=live)
+        tl.store(scores, tl.zeros([BLOCK], tl.int64), mask=live)
+        tl.store(_field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8)) + slot, tl.zeros([BLOCK], tl.uint8), mask=live)
+
+
+def exchange_tier_rows(
+    stack: TableStack, tids: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, up: torch.Tensor, host: int, width: int,
+    count: torch.Tensor | None = None,
+) -> None:
+    """For each lane with slots[i] >= 0 (before count[0]), in table tids[i]'s device tier
+    and its host tier (table tids[i] + host): the device row at slots[i] moves to host slot
+    down[i] (its first `width` values, zeros to the stride: whole lines), and the host row
+    at up[i] moves to the device slot; a negative down or up skips that move. Each lane's
+    rows are read before they are written; no lane may write where another reads."""
+    n = tids.numel()
+    if n == 0:
+        return
+    stride = stack.tables[0].row_stride
+    launch(
+        _exchange_tier_rows_kernel, (cdiv(n, TIER_BLOCK),),
+        tids, slots, down, up, n, count if count is not None else tids, stack.desc, host, width, stride,
+        COUNTED=count is not None, BLOCK=TIER_BLOCK, DIM_BLOCK=min(TIER_DIM_BLOCK, next_power_of_2(stride)), num_warps=TIER_WARPS,
+    )
+
+
+def mark_tier_slots(
+    stack: TableStack, tids: torch.Tensor, slots: torch.Tensor, offset: int, action: int, count: torch.Tensor | None = None,
+) -> None:
+    """For each lane with slots[i] >= 0 (before count[0]), in table tids[i] + offset:
+    PROTECT gives the row the highest score, so that no claim evicts it; RELEASE empties
+    the slot."""
+    n = tids.numel()
+    if n == 0:
+        return
+    launch(
+        _mark_tier_slots_kernel, (cdiv(n, MARK_BLOCK),),
+        tids, slots, offset, n, count if count is not None else tids, stack.desc, ACTION=action, COUNTED=count is not None,
+        BLOCK=MARK_BLOCK,
+    )

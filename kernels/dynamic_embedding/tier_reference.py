@@ -1,0 +1,45 @@
+"""tier_kernels.py's launchers in plain PyTorch: each function here has the signature of
+the launcher of the same name there, less `_reference`, and is its twin in the
+differential tests (tests/test_tier_kernels.py). Twins read the tables as tensors
+(`stack.tables`), where the kernels read their descriptors; nothing here shares code with
+the kernels."""
+import torch
+
+from .hashing import EMPTY_KEY
+
+PROTECT, RELEASE = 0, 1  # mark_tier_slots' actions (tier_kernels.PROTECT, RELEASE)
+HIGHEST_SCORE = 2**63 - 1
+
+
+def _live(n: int, count: torch.Tensor | None, device) -> torch.Tensor:
+    lanes = torch.arange(n, device=device)
+    return lanes < (int(count[0]) if count is not None else n)
+
+
+def _full_rows(table) -> torch.Tensor:
+    """A table's rows with their padding, as stored: (capacity, row_stride)."""
+    v = table.values
+    return torch.as_strided(v, (v.shape[0], v.stride(0)), (v.stride(0), 1))
+
+
+def exchange_tier_rows_reference(stack, tids, slots, down, up, host, width, count=None) -> None:
+    live = _live(tids.numel(), count, tids.device) & (slots >= 0)
+    lanes = live.nonzero().flatten().tolist()
+    # every row read first, then written
+    going = {i: stack.tables[int(tids[i])].values[int(slots[i]), :width].clone() for i in lanes if int(down[i]) >= 0}
+    coming = {i: stack.tables[int(tids[i]) + host].values[int(up[i]), :width].clone() for i in lanes if int(up[i]) >= 0}
+    for i, row in going.items():
+        full = _full_rows(stack.tables[int(tids[i]) + host])[int(down[i])]
+        full[:width], full[width:] = row, 0
+    for i, row in coming.items():
+        stack.tables[int(tids[i])].values[int(slots[i]), :width] = row
+
+
+def mark_tier_slots_reference(stack, tids, slots, offset, action, count=None) -> None:
+    live = _live(tids.numel(), count, tids.device) & (slots >= 0)
+    for lane in live.nonzero().flatten().tolist():
+        table, slot = stack.tables[int(tids[lane]) + offset], int(slots[lane])
+        if action == PROTECT:
+            table.scores[slot] = HIGHEST_SCORE
+        else:
+            table.keys[slot], table.scores[slot], table.digests[slot] = EMPTY_KEY, 0, 0

@@ -1,0 +1,152 @@
+"""A group of tiered tables (device_capacity set) trained in one launch per kernel, as a
+TableGroup trains tables with every row on the device.
+
+The group addresses both tiers of its T members through one stack of descriptors
+(tiers.Tiers): the device tiers first, then the host tiers, so that a row is a packed
+(table << SLOT_BITS | slot) wherever it lives, and the group's gather and fused update
+read and write rows in host memory in place (they are GPU kernels over pinned memory).
+A training lookup moves its rows with one swap_in for every member: host rows up, the
+device rows they displace down, initial rows for new ids, and ids whose device bucket is
+full kept and trained in host memory. Nothing waits for the GPU. Counting follows
+DynamicEmbedding's tiered lookup: hits and inserts in either tier, promotions and
+demotions apart.
+"""
+import torch
+
+from .counters import EVICTIONS, LOOKUPS
+from .embedding import STEP_POLICIES, DynamicEmbedding
+from .hashing import EMPTY_KEY
+from .probe_kernels import READ_ONLY, TableStack, probe
+from .table_group import CUSTOM, TableGroup, _Routing, _Stored, _to_device
+from .tiers import Swapped, Tiers, swap_in, tiers_of
+
+
+class TieredTableGroup(TableGroup):
+    """Tiered tables of one row layout (TableGroup's), none of them admitting ids."""
+
+    def __init__(self, names: list[str], members: list[DynamicEmbedding]):
+        super().__init__(names, members)
+        # promotions and demotions, counted into rows of one tensor as the statistics are
+        self._moves = torch.stack([m._moves for m in members])
+        for i, m in enumerate(members):
+            m._moves = self._moves[i]
+        self._custom = "custom" in self._policies
+        self._stepped = _to_device([m.config.eviction in STEP_POLICIES for m in members], torch.bool, self.device)
+
+    def _storage(self) -> tuple:
+        return super()._storage() + tuple(m.host.keys.data_ptr() for m in self.members)
+
+    def _placements(self) -> tuple:
+        return super()._placements() + tuple(m.host.placements for m in self.members)
+
+    def _tiers(self) -> Tiers:
+        modes = [READ_ONLY if m.config.read_only else None for m in self.members]
+        return self._cached("tiers", self._storage(), lambda: tiers_of(
+            [m.table for m in self.members], [m.host for m in self.members], [m._init for m in self.members], modes,
+        ))
+
+    def _stack(self) -> TableStack:
+        return self._tiers().stack
+
+    def _host_tids(self, tids: torch.Tensor) -> torch.Tensor:
+        return tids + len(self.members)
+
+    def _stored(self, r: _Routing) -> _Stored:
+        """As TableGroup's, with the stored scores of rows in either tier."""
+        stored = super()._stored(r)
+        if stored.old is not None:  # a row lives in one tier: absent, a probe's score is 0
+            in_host = torch.zeros_like(r.keys)
+            probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(stored.tids), count=r.count, scores=in_host)
+            stored.old += in_host
+        return stored
+
+    def _claim_scores(self, r: _Routing, stored, ids: list[torch.Tensor], scores: list | None) -> tuple[torch.Tensor, int, bool]:
+        """As TableGroup's; a custom-scored row that moves up from host memory keeps a
+        higher score it had there, as a row found on the device does."""
+        claim_scores, offset, per_table = super()._claim_scores(r, stored, ids, scores)
+        if self._custom:
+            in_host = torch.zeros_like(r.keys)
+            found = probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(stored.tids), count=r.count, scores=in_host) >= 0
+            raise_ = found & (self._score_codes[stored.tids] == CUSTOM)
+            claim_scores = torch.where(raise_, torch.maximum(claim_scores, in_host), claim_scores)
+        return claim_scores, offset, per_table
+
+    def _train_rows(self, r: _Routing, ids: list[torch.Tensor], scores: list | None) -> None:
+        stored = self._stored(r) if self.per_key_scores else None
+        claim_scores, offset, per_table = self._claim_scores(r, stored, ids, scores)
+        s = swap_in(self._tiers(), r.keys, r.tids, claim_scores, r.count, table_scores=per_table, score_offset=offset)
+        on_device = s.slots >= 0
+        held = torch.where(s.held, s.host_slots, -1)
+        self._rows(r, torch.where(on_device, s.slots, held), counted=None, tids=torch.where(on_device, r.tids, self._host_tids(r.tids)))
+        self._tally(r.tids, self._live(r), r.keys, s, train=True)
+
+    def _find_rows(self, r: _Routing, counted: bool | None) -> None:
+        stack = self._stack()
+        slots = probe(stack, r.keys, self.bucket_size, 0, r.tids, count=r.count)
+        host_tids = self._host_tids(r.tids)
+        in_host = probe(stack, r.keys, self.bucket_size, 0, host_tids, count=r.count)
+        on_device = slots >= 0
+        self._rows(r, torch.where(on_device, slots, in_host), counted=None, tids=torch.where(on_device, r.tids, host_tids))
+        if counted is not None:  # a lookup that does not train: lookups, and hits in either tier
+            live = self._live(r)
+            self._add(r.tids, live, [torch.ones_like(live), on_device | (in_host >= 0)], LOOKUPS)
+
+    def _live(self, r: _Routing) -> torch.Tensor:
+        return torch.arange(r.keys.numel(), device=self.device) < r.count
+
+    def _per_member(self, tids: torch.Tensor, live: torch.Tensor, columns: list[torch.Tensor]) -> torch.Tensor:
+        """(T, len(columns)): each column's live lanes summed per member. A call's lanes,
+        and its segments, lie in member order, so each member's sum is the difference of
+        a cumulative sum at its run's ends (an index_add of a million lanes onto a few
+        counters would queue its atomic adds at those few addresses)."""
+        t = torch.where(live, tids, len(self.members))  # lanes past a count: after every member
+        ends = torch.searchsorted(t, torch.arange(len(self.members) + 1, dtype=t.dtype, device=self.device))
+        # one scan over the columns laid end to end (a 1-D scan is one device-wide pass; a
+        # scan of a few long rows, or along the outer dimension, runs far slower), so a
+        # member's sum in column c is a difference within column c's stretch
+        n = t.numel()
+        sums = torch.stack(columns).to(torch.int32).view(-1).cumsum(0, dtype=torch.int64)
+        sums = torch.cat([sums.new_zeros(1), sums])
+        at = torch.arange(len(columns), device=self.device)[:, None] * n
+        return (sums[at + ends[1:]] - sums[at + ends[:-1]]).T
+
+    def _add(self, tids: torch.Tensor, live: torch.Tensor, columns: list[torch.Tensor], first: int) -> None:
+        """Adds each column's live lanes, per member, to the statistics from counter
+        `first` on."""
+        self._counts[:, first : first + len(columns)] += self._per_member(tids, live, columns)
+
+    def _tally(self, tids: torch.Tensor, live: torch.Tensor, keys: torch.Tensor, s: Swapped, train: bool) -> None:
+        """A swap's statistics per member: with train, a lookup's (lookups, hits and
+        inserts in either tier, rejections of members that insert, rows lost); promotions
+        and demotions, and rows lost, always."""
+        stored = s.slots >= 0
+        if train:
+            inserting = self._inserting[torch.where(live, tids, 0).long()].bool()  # (tids past a count: unset)
+            hits = (stored & ~s.inserted) | s.promoted | (s.held & ~s.made)
+            inserts = (s.inserted & ~s.promoted) | s.made
+            rejected = inserting & (keys != EMPTY_KEY) & ~stored & ~s.held
+            # (counters.COUNTED's order: lookups, hits, inserts, rejections, evictions)
+            self._add(tids, live, [torch.ones_like(live), hits, inserts, rejected, s.lost], LOOKUPS)
+        else:
+            self._add(tids, live, [s.lost], EVICTIONS)
+        self._moves += self._per_member(tids, live, [s.promoted, s.demoted])
+
+    def prefetch(self, given: list[torch.Tensor]) -> None:
+        """DynamicEmbedding.prefetch for every member at once (given: each member's ids;
+        an empty tensor for a member without any)."""
+        lanes = self._flat_lanes(given)
+        if lanes is None:
+            return
+        keys, tids = lanes
+        stack = self._stack()
+        host_scores = torch.zeros_like(keys)
+        in_host = probe(stack, keys, self.bucket_size, 0, self._host_tids(tids), scores=host_scores) >= 0
+        on_device = probe(stack, keys, self.bucket_size, 0, tids, found_only=True)
+        # step-scored members: the batch's rows on either tier get the next step's score;
+        # the others keep their rows' scores and move only host rows
+        stepped = self._stepped[tids.long()]
+        next_scores = _to_device([m._step_score(m.step + 1) for m in self.members], torch.int64, self.device)
+        wanted = in_host | (stepped & on_device)
+        scores = torch.where(stepped, next_scores[tids.long()], host_scores)
+        s = swap_in(self._tiers(), torch.where(wanted, keys, EMPTY_KEY), tids, scores)
+        self._tally(tids, torch.ones_like(wanted), keys, s, train=False)
