@@ -23,6 +23,7 @@ def configs() -> dict[str, EmbeddingConfig]:
         "counted": EmbeddingConfig(**kw, seed=7, eviction="lfu"),
         "ranked": EmbeddingConfig(**kw, seed=9, eviction="custom"),
         "shared": EmbeddingConfig(**kw, seed=5, read_only=True),
+        "admitted": EmbeddingConfig(**kw, seed=11, admission_threshold=2),
     }
 
 
@@ -33,13 +34,13 @@ def test_tiered_tables_form_groups_of_their_own():
         "plain": EmbeddingConfig(**kw), "admitted": EmbeddingConfig(**kw, device_capacity=DEVICE_ROWS, admission_threshold=2),
     }
     c = DynamicEmbeddingCollection(cfg, DEVICE)
-    assert [(type(g), g.names) for g in c.groups] == [(TieredTableGroup, ["a", "b"]), (TableGroup, ["plain"])]
-    assert c.single == ["admitted"]  # tiered tables that admit ids: one by one
+    assert [(type(g), g.names) for g in c.groups] == [(TieredTableGroup, ["a", "b", "admitted"]), (TableGroup, ["plain"])]
+    assert c.single == []
 
 
 def test_tiered_collection_trains_like_its_tables_one_by_one():
-    """Every eviction policy and a read-only member, device tiers that overflow on every
-    call; train and read-only lookups, prefetches of the next batch, updates of other ids
+    """Every eviction policy, a read-only member and an admitting one, device tiers that
+    overflow on every call; train and read-only lookups, prefetches of the next batch, updates of other ids
     than the lookup's. Nothing is lost: every row lives in one tier or the other."""
     cfg = configs()
     coll = DynamicEmbeddingCollection(cfg, DEVICE)
@@ -82,3 +83,5 @@ def test_tiered_collection_trains_like_its_tables_one_by_one():
         assert a.evictions == 0 and a.rejections == 0
         assert coll[name].table.size() <= DEVICE_ROWS
     assert coll["user"].stats().size > DEVICE_ROWS  # the host tier holds the rest
+    admitting = coll["admitted"].stats()
+    assert admitting.admissions > 0 and admitting.admission_rejections > 0  # ids stored on their second sighting

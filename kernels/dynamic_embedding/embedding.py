@@ -415,9 +415,10 @@ class DynamicEmbedding:
         return step
 
     def _admit(self, uniq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Which unique ids may have a row: those stored already, and new ones whose count
-        (kept in the counter table, bumped by this batch's uses) reaches the threshold."""
-        keep = self.table.find(uniq) != MISSING
+        """Which unique ids may have a row: those stored already (in either tier), and new
+        ones whose count (kept in the counter table, bumped by this batch's uses) reaches
+        the threshold."""
+        keep = torch.stack([t.find(uniq) != MISSING for t in self._tiers]).any(0)
         new = (~keep).nonzero().squeeze(1)
         keep[new] = self._count_new(uniq[new], counts[new])
         return keep

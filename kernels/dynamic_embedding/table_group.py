@@ -48,12 +48,9 @@ POLICY_CODES = {"lfu": LFU, "epoch_lfu": EPOCH_LFU, "custom": CUSTOM}
 
 def fusable(emb: DynamicEmbedding) -> bool:
     """Whether a table can join a group: a TableGroup, or with a host tier a
-    TieredTableGroup (tiered tables that admit ids are served one by one)."""
+    TieredTableGroup."""
     t = emb.table
-    return (
-        isinstance(t, TritonHashTable) and not t.deterministic and t.dtype == torch.float32
-        and (emb.host is None or emb.counters is None)
-    )
+    return isinstance(t, TritonHashTable) and not t.deterministic and t.dtype == torch.float32
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

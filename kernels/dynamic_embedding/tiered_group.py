@@ -17,12 +17,12 @@ from .counters import EVICTIONS, LOOKUPS
 from .embedding import STEP_POLICIES, DynamicEmbedding
 from .hashing import EMPTY_KEY
 from .probe_kernels import READ_ONLY, TableStack, probe
-from .table_group import CUSTOM, TableGroup, _Routing, _Stored, _to_device
+from .table_group import CUSTOM, TableGroup, _Gate, _Routing, _Stored, _to_device
 from .tiers import Swapped, Tiers, swap_in, tiers_of
 
 
 class TieredTableGroup(TableGroup):
-    """Tiered tables of one row layout (TableGroup's), none of them admitting ids."""
+    """Tiered tables of one row layout (TableGroup's)."""
 
     def __init__(self, names: list[str], members: list[DynamicEmbedding]):
         super().__init__(names, members)
@@ -71,14 +71,27 @@ class TieredTableGroup(TableGroup):
             claim_scores = torch.where(raise_, torch.maximum(claim_scores, in_host), claim_scores)
         return claim_scores, offset, per_table
 
+    def _gate(self, r: _Routing, stored: _Stored | None) -> _Gate:
+        """As TableGroup's; an id stored in host memory is no new id (it moves up)."""
+        gate = super()._gate(r, stored)
+        in_host = probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(gate.tids), count=r.count, found_only=True)
+        gate.barred &= ~in_host
+        return gate
+
     def _train_rows(self, r: _Routing, ids: list[torch.Tensor], scores: list | None) -> None:
         stored = self._stored(r) if self.per_key_scores else None
+        gate = self._gate(r, stored) if self.admitting else None
         claim_scores, offset, per_table = self._claim_scores(r, stored, ids, scores)
-        s = swap_in(self._tiers(), r.keys, r.tids, claim_scores, r.count, table_scores=per_table, score_offset=offset)
+        s = swap_in(
+            self._tiers(), r.keys, r.tids, claim_scores, r.count, table_scores=per_table, score_offset=offset,
+            barred=gate.barred if gate is not None else None,
+        )
         on_device = s.slots >= 0
-        held = torch.where(s.held, s.host_slots, -1)
-        self._rows(r, torch.where(on_device, s.slots, held), counted=None, tids=torch.where(on_device, r.tids, self._host_tids(r.tids)))
+        slots = torch.where(on_device, s.slots, torch.where(s.held, s.host_slots, -1))
+        self._rows(r, slots, counted=None, tids=torch.where(on_device, r.tids, self._host_tids(r.tids)))
         self._tally(r.tids, self._live(r), r.keys, s, train=True)
+        if gate is not None:  # the rows the call made, in either tier, are its new ids admitted
+            self._admit(r, gate, slots, (s.inserted & ~s.promoted) | s.made)
 
     def _find_rows(self, r: _Routing, counted: bool | None) -> None:
         stack = self._stack()

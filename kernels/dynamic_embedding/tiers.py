@@ -60,12 +60,13 @@ class Swapped(NamedTuple):
 
 def swap_in(
     tiers: Tiers, keys: torch.Tensor, tids: torch.Tensor, scores: torch.Tensor, count: torch.Tensor | None = None,
-    table_scores: bool = False, score_offset: int = 0,
+    table_scores: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None,
 ) -> Swapped:
     """Device rows for `keys` (N,) of tables `tids` (N,), with `scores` (N,), or with
     table_scores one per table plus score_offset (as claim takes them). EMPTY_KEY lanes,
     and lanes from count[0] on where a count is given, are skipped; copies of a key share
-    its row, and one of them is reported inserted.
+    its row, and one of them is reported inserted. barred (N,) bool: keys that neither tier
+    stores and that may not be given a row (admission: below the threshold).
 
     A key found in host memory moves to the device (promoted); a key in neither tier is
     inserted with its initial row. Device rows that the inserts evict move to host memory
@@ -85,6 +86,7 @@ def swap_in(
     from_host = probe(stack, keys, tiers.bucket_size, 0, host_tids, count=count)
     slots, inserted, evicted, victim_keys, victim_scores = claim(
         stack, keys, scores, tiers.bucket_size, tids, table_scores=table_scores, count=count, score_offset=score_offset,
+        barred=barred,
     )
     if count is not None:  # (flags past the count are unset)
         inserted, evicted = inserted & live, evicted & live
@@ -95,6 +97,8 @@ def swap_in(
     # victim's row: it moves down before the new row comes in), or a key left without a
     # device row
     rowless = live & (slots < 0)
+    if barred is not None:
+        rowless &= ~barred
     key_scores = scores[torch.where(live, tids, 0).long()] + score_offset if table_scores else scores
     down, down_inserted, host_evicted, _, _ = claim(
         stack, torch.where(evicted, victim_keys, torch.where(rowless, keys, EMPTY_KEY)),
