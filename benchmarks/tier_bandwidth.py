@@ -1,0 +1,71 @@
+"""Rows moved between a tiered table's device tier and its host tier (pinned host memory
+worked in place by GPU kernels) by the exchange kernel that tiers.swap_in runs: host rows
+up only, device rows down only, or both at once, in GB/s over PCIe.
+
+    python benchmarks/tier_bandwidth.py [--rows 1000000] [--moves 150000] [--dim 128]
+
+One table of `rows` rows in each tier (Adam rows: the embedding and two moments), and
+`moves` lanes that each move a row between random slots; the median of 20 calls timed by
+CUDA events. GB/s counts the rows' bytes that cross the link (a lane moving both ways
+counts two rows).
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_path import write_results  # noqa: E402
+
+from kernels.dynamic_embedding.probe_kernels import TableStack  # noqa: E402
+from kernels.dynamic_embedding.tier_kernels import exchange_tier_rows  # noqa: E402
+from kernels.dynamic_embedding.triton_table import TritonHashTable  # noqa: E402
+
+CALLS = 20
+
+
+def time_ms(fn) -> float:
+    times = []
+    for _ in range(CALLS + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=1 << 20)
+    p.add_argument("--moves", type=int, default=150_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tier_bandwidth_<gpu>.json)")
+    args = p.parse_args()
+    row_dim = 3 * args.dim
+    tables = [TritonHashTable(row_dim, capacity=args.rows, max_capacity=args.rows, bucket_size=128, device="cuda", host_rows=host)
+              for host in (False, True)]
+    stack = TableStack(torch.stack([t.descriptor() for t in tables]), tables)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    perm = torch.randperm(args.rows, device="cuda", generator=gen)
+    host_perm = torch.randperm(args.rows, device="cuda", generator=gen)
+    slots = perm[: args.moves]
+    down, up = host_perm[: args.moves], host_perm[args.moves : 2 * args.moves]
+    none = torch.full_like(slots, -1)
+    tids = torch.zeros(args.moves, dtype=torch.int32, device="cuda")
+    row_bytes = tables[0].row_stride * 4
+    rows = []
+    for name, d, u, crossing in (("up", none, up, 1), ("down", down, none, 1), ("both", down, up, 2)):
+        ms = time_ms(lambda: exchange_tier_rows(stack, tids, slots, d, u, 1, row_dim))
+        gbs = crossing * args.moves * row_bytes / ms / 1e6
+        rows.append({"moves": name, "lanes": args.moves, "row_bytes": row_bytes, "ms": ms, "gb_per_s": gbs})
+        print(f"{name:<6}{args.moves:>10} rows of {row_bytes} B  {ms:8.3f} ms  {gbs:7.1f} GB/s")
+    write_results("tier_bandwidth", rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
