@@ -123,9 +123,12 @@ def sync_sites(caught: list) -> Counter:
 
 def run(
     device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
-    cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2,
+    cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2, whole_item_table: int | None = None,
 ) -> dict:
-    config = preset(preset_name).override(batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets)
+    config = preset(preset_name).override(
+        batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets, embedding_capacity=whole_item_table,
+        embedding_max_capacity=whole_item_table,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         if config.max_seq_len > ML1M_LIKE_MAX_LEN:
             users = config.batch_size * (warmup + steps)
@@ -165,7 +168,8 @@ def run(
     return {
         "device": device, "device_name": name, "threads": torch.get_num_threads(), "preset": preset_name,
         "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
-        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "users": users, "workers": workers,
+        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets,
+        "embedding_capacity": config.embedding_capacity, "embedding_max_capacity": config.embedding_max_capacity, "users": users, "workers": workers,
         "timed_steps": timer.steps, "seconds": timer.elapsed,
         "samples_per_s": sum(len(x) for x in lengths) / timer.elapsed,
         "positions_per_s": sum(int(x.sum()) for x in lengths) / timer.elapsed,
@@ -187,13 +191,15 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="data loader worker processes")
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
     p.add_argument("--count-syncs", action="store_true", help="CUDA: count the timed steps' waits for the device by call site, and list Triton compilations in them (slows the steps)")
+    p.add_argument("--whole-item-table", type=int, metavar="ROWS",
+                   help="the item table allocated whole at this many rows (capacity = max_capacity: it never grows, so no lookup checks whether it must)")
     p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops, write Chrome traces to DIR")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
     rows = [
         run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets, args.count_syncs,
-            args.workers)
+            args.workers, args.whole_item_table)
         for name in args.preset
     ]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")
