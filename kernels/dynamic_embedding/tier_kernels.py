@@ -83,8 +83,8 @@ def exchange_tier_rows(
     stack: TableStack, tids: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, up: torch.Tensor, host: int, width: int,
     count: torch.Tensor | None = None,
 ) -> None:
-    """For each lane with slots[i] >= 0 (before count[0]), in table tids[i]'s device tier
-    and its host tier (table tids[i] + host): the device row at slots[i] moves to host slot
+    """For each lane with slots[i] >= 0 (of the first count[0] lanes where a count is
+    given), in table tids[i]'s device tier and its host tier (table tids[i] + host): the device row at slots[i] moves to host slot
     down[i] (its first `width` values, zeros to the stride: whole lines), and the host row
     at up[i] moves to the device slot; a negative down or up skips that move. Each lane's
     rows are read before they are written; no lane may write where another reads."""
@@ -102,8 +102,8 @@ def exchange_tier_rows(
 def mark_tier_slots(
     stack: TableStack, tids: torch.Tensor, slots: torch.Tensor, offset: int, action: int, count: torch.Tensor | None = None,
 ) -> None:
-    """For each lane with slots[i] >= 0 (before count[0]), in table tids[i] + offset:
-    PROTECT gives the row the highest score, so that no claim evicts it; RELEASE empties
+    """For each lane with slots[i] >= 0 (of the first count[0] lanes where a count is
+    given), in table tids[i] + offset: PROTECT gives the row the highest score, so that no claim evicts it; RELEASE empties
     the slot."""
     n = tids.numel()
     if n == 0:
