@@ -218,6 +218,14 @@ class DynamicEmbedding:
             self.host is not None and self._fused and not self.table.deterministic and self.counters is None
         )
         self._tier_stack = tiers_of([self.table], [self.host], [self._init], [None]) if self._swaps else None
+        self._group_settle = None  # the settle of a collection group this table is in (weak)
+
+    def _settle(self) -> None:
+        """Settles the pending growth check of the collection group this table is in
+        (TableGroup._settle) before the table is read or written on its own."""
+        settle = self._group_settle() if self._group_settle is not None else None
+        if settle is not None:
+            settle()
 
     @property
     def dim(self) -> int:
@@ -240,6 +248,7 @@ class DynamicEmbedding:
         and every id's score is bumped; without it (or for a read_only table) nothing is
         written and ids without a row get their initial embedding. `scores` (N,): the
         scores of the custom policy (copies of an id: the highest)."""
+        self._settle()
         ids = ids.to(self.device)
         if ids.numel() == 0:
             return torch.empty(0, self.dim, device=self.device)
@@ -366,6 +375,7 @@ class DynamicEmbedding:
         of the next step, which its lookup would give them, so that this step's inserts do
         not evict them first; other policies keep the rows' scores. A no-op without a host
         tier."""
+        self._settle()
         if self.host is None or ids.numel() == 0:
             return
         # swap_in takes copies of an id (one lane of them moves its row): no waiting for unique
@@ -440,6 +450,7 @@ class DynamicEmbedding:
 
     def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Sums the gradients of duplicate ids and applies the optimizer to their rows."""
+        self._settle()
         self.step += 1
         ids = ids.to(self.device)
         if ids.numel() == 0:
@@ -461,6 +472,7 @@ class DynamicEmbedding:
             ).to(table.dtype)
 
     def stats(self) -> TableStats:
+        self._settle()
         s = TableStats(**asdict(self._stats))
         for name, value in zip(COUNTED, self._counts.tolist()):
             setattr(s, name, value)
@@ -478,6 +490,7 @@ class DynamicEmbedding:
     def export_rows(self, min_score: int | None = None):
         """(keys, embeddings, optimizer_state, scores) of stored rows, both tiers (on the
         CPU when tiered)."""
+        self._settle()
         keys, rows, scores = self.table.export(min_score)
         if self.host is not None:
             host = self.host.export(min_score)
@@ -491,6 +504,7 @@ class DynamicEmbedding:
         would place it (evicting as training does). Each id's score is that of one use
         under the table's eviction policy (`scores` (N,) for the custom one). Neither
         admission nor read_only applies: the caller asked for the write."""
+        self._settle()
         ids = ids.to(self.device)
         if ids.dim() != 1 or ids.dtype != torch.int64:
             raise ValueError(f"assign: ids must be 1-D int64, got {tuple(ids.shape)} {ids.dtype}")
@@ -516,6 +530,7 @@ class DynamicEmbedding:
         """Stores rows of distinct keys with their scores, overwriting stored ones. In a
         tiered table a row stays in the tier that holds it; a new one goes to the device
         tier, or to the host tier where its device bucket has no room for it."""
+        self._settle()
         keys, scores = keys.to(self.device), scores.to(self.device)
         rows = torch.cat([embeddings.to(self.device, torch.float32), state.to(self.device, torch.float32)], 1)
         if self.host is None:

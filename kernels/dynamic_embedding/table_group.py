@@ -24,10 +24,12 @@ A group differs from its tables' own lookups in two ways: the reserved key (int6
 is served its initial embedding and never stored instead of raising, and the gradients
 of an id's copies are summed in another order (the same sum to rounding).
 """
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from .counters import HITS, REJECTIONS
 from .embedding import STEP_POLICIES, DynamicEmbedding, epoch_use_score
 from .multi_table_kernels import (
     Gradients, TableStack, admission_gate, admit, gather_embeddings, init_rows, number_segments, segment_rows, update_segments,
@@ -76,6 +78,18 @@ class _Routing:
     # set by a lookup after its claim: the tables' placement counts (the update checks that
     # nothing moved since)
     placements: tuple = ()
+
+
+@dataclass
+class _PendingGrowth:
+    """A training lookup's growth check, settled later (TableGroup._settle): the growing
+    members, their checks on the way to the host, and what claiming again needs."""
+
+    growing: list
+    checks: tuple
+    routing: "_Routing"
+    scored: tuple
+    barred: torch.Tensor  # segments the claim again may find but not insert: all but those without a slot
 
 
 @dataclass
@@ -128,6 +142,9 @@ class TableGroup:
         self._cache: dict = {}
         self.empty = torch.empty(0, dtype=torch.int64, device=self.device)  # ids of a feature not in a call
         self.routing: _Routing | None = None
+        self._pending: _PendingGrowth | None = None  # a growth check to settle
+        for m in members:  # the members' own calls settle it first (weakly: no cycle)
+            m._group_settle = weakref.WeakMethod(self._settle)
 
     def _cached(self, name: str, key, make):
         hit = self._cache.get(name)
@@ -229,6 +246,7 @@ class TableGroup:
     # ---- lookup ---------------------------------------------------------------------------
     def lookup(self, given: list[torch.Tensor], train: bool, scores: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """scores: each member's given scores (custom policy members), else None."""
+        self._settle()
         ids = [self._flat_ids(x) for x in given]
         sizes = tuple(x.numel() for x in ids)
         n = sum(sizes)
@@ -313,9 +331,77 @@ class TableGroup:
                             lambda: TableStack(torch.stack([t.descriptor() for t in mine]), mine))
 
     def _claim(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], barred: torch.Tensor | None = None):
-        """find_or_insert of the segments' ids in their tables with `scored` (_claim_scores),
-        growing the tables that need it (then again): their slots and whether each was
-        inserted. barred: segments found if stored, never inserted."""
+        """find_or_insert of the segments' ids in their tables with `scored` (_claim_scores):
+        their slots and whether each was inserted. barred: segments found if stored, never
+        inserted. While some table can still grow, whether one must (an id found its
+        bucket full, or the table passed its load factor) is copied to the host without
+        waiting and settled later (_settle): an id without a slot is new, and is served
+        its initial embedding, which is what a row inserted after growing holds."""
+        scores, offset, per_table = scored
+        slots, inserted, _, _, _ = claim(
+            self._stack(), r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
+            counts=self._counts, count=r.count, victims=False, score_offset=offset, barred=barred,
+        )
+        growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
+        if growing:
+            # claiming again later, only the segments without a slot may be inserted (ids
+            # erased since, or stored, stay as they are)
+            settled = slots != -2 if barred is None else barred | (slots != -2)
+            self._pending = _PendingGrowth(growing, self._growth_checks(r, slots, growing), r, scored, settled)
+        return slots, inserted
+
+    def _growth_checks(self, r: _Routing, slots: torch.Tensor, growing: list[int]):
+        """(checks, event): per growing member, the ids it had no slot for and its size,
+        on their way to the host (pinned memory, an event after the copy); on a CPU the
+        tensor itself and None."""
+        used = torch.arange(slots.numel(), device=self.device) < r.count
+        full = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
+        full.index_add_(0, torch.where(used, r.tids, 0).long(), (used & (slots == -2)).long())
+        checks = torch.stack([torch.stack([full[i], self.members[i].table.size_on_device()]) for i in growing])
+        if self.device.type != "cuda":
+            return checks, None
+        host = torch.empty(checks.shape, dtype=checks.dtype, pin_memory=True)
+        host.copy_(checks, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _settle(self) -> None:
+        """Acts on the last training lookup's growth check: waits for its event alone (the
+        claim's end, long passed: the work queued since stays queued), and where a table
+        must grow, grows it, claims the lookup's segments again (those without a slot are
+        inserted with their initial rows) and moves the lookup's rows to the new slots.
+        Growing waits for the GPU, as it always has; most calls grow nothing."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        checks, event = p.checks
+        if event is not None:
+            event.synchronize()
+        grow = [
+            self.members[i].table for i, (no_slot, size) in zip(p.growing, checks.tolist())
+            if no_slot or size > self.members[i].table.max_load_factor * self.members[i].table.capacity
+        ]
+        if not grow:
+            return
+        for t in grow:
+            t._grow()
+        r = p.routing
+        slots, inserted = self._claim_growing(r, p.scored, p.barred)
+        init_rows(r.keys, r.tids, slots, inserted, r.count, self._stack(), self._seeds, self._scales, self.dim)
+        # the lookup counted the ids without a slot as rejections; inserted now, they are
+        # inserts (the claim counted them so, less a hit)
+        used = torch.arange(slots.numel(), device=self.device) < r.count
+        late = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
+        late.index_add_(0, torch.where(used, r.tids, 0).long(), (used & inserted).long())
+        self._counts[:, HITS] += late
+        self._counts[:, REJECTIONS] -= late
+        self._rows(r, slots, counted=None)
+        r.placements = self._placements()
+
+    def _claim_growing(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], barred: torch.Tensor | None):
+        """The claim again after growing, growing and claiming again until every id that
+        may be inserted has a slot (each check waits for the GPU)."""
         scores, offset, per_table = scored
         slots, inserted, _, _, _ = claim(
             self._stack(), r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
@@ -324,21 +410,13 @@ class TableGroup:
         growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
         if not growing:
             return slots, inserted
-        used = torch.arange(slots.numel(), device=self.device) < r.count
-        full = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
-        full.index_add_(0, torch.where(used, r.tids, 0).long(), (used & (slots == -2)).long())
-        # per growing table: ids it had no slot for, and its size; read at the one wait for
-        # the GPU, while some table can still grow
-        checks = torch.stack([torch.stack([full[i], self.members[i].table.size_on_device()]) for i in growing]).tolist()
-        grow = [
-            self.members[i].table for i, (no_slot, size) in zip(growing, checks)
-            if no_slot or size > self.members[i].table.max_load_factor * self.members[i].table.capacity
-        ]
+        checks, _ = self._growth_checks(r, slots, growing)
+        grow = [self.members[i].table for i, (no_slot, _) in zip(growing, checks.tolist()) if no_slot]
         if not grow:
             return slots, inserted
         for t in grow:
             t._grow()
-        again, inserted_again = self._claim(r, scored, barred)
+        again, inserted_again = self._claim_growing(r, scored, barred)
         return again, inserted | inserted_again
 
     def _rows(self, r: _Routing, slots: torch.Tensor, counted: bool | None, tids: torch.Tensor | None = None) -> None:
@@ -356,6 +434,7 @@ class TableGroup:
     # ---- update ---------------------------------------------------------------------------
     def apply_gradients(self, given: list[torch.Tensor], grads: list[torch.Tensor], present: list[bool]) -> None:
         """present[i]: member i takes part (its step advances)."""
+        self._settle()
         for m, p in zip(self.members, present):
             m.step += p
         r, self.routing = self.routing, None
