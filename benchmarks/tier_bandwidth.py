@@ -2,12 +2,19 @@
 worked in place by GPU kernels) by the exchange kernel that tiers.swap_in runs: host rows
 up only, device rows down only, or both at once, in GB/s over PCIe.
 
-    python benchmarks/tier_bandwidth.py [--rows 1000000] [--moves 150000] [--dim 128]
+    python benchmarks/tier_bandwidth.py [--rows 1000000] [--moves 150000] [--dim 128] [--orders]
 
 One table of `rows` rows in each tier (Adam rows: the embedding and two moments), and
 `moves` lanes that each move a row between random slots; the median of 20 calls timed by
 CUDA events. GB/s counts the rows' bytes that cross the link (a lane moving both ways
 counts two rows).
+
+The lanes' host slots are random ("random"). `--orders` adds rows that give the lanes
+their host slots in ascending order (the device slots stay random): "sorted" sorts the
+rows going down and those coming up each on its own (a bound: a lane's two host rows
+are not paired so in a table), "by up" and "by down" order the lanes by one of their
+host slots, "two passes" moves the rows down in the order of their host slots, then
+those coming up in theirs.
 """
 import argparse
 import statistics
@@ -44,6 +51,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1 << 20)
     p.add_argument("--moves", type=int, default=150_000)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--orders", action="store_true", help="also the lanes in orders of their host slots")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tier_bandwidth_<gpu>.json)")
     args = p.parse_args()
     row_dim = 3 * args.dim
@@ -58,12 +66,29 @@ def main() -> None:
     none = torch.full_like(slots, -1)
     tids = torch.zeros(args.moves, dtype=torch.int32, device="cuda")
     row_bytes = tables[0].row_stride * 4
+    by_up, by_down = up.argsort(), down.argsort()
+    down_sorted, up_sorted = down[by_down], up[by_up]
+    cases = [("up", "random", [(slots, none, up)]), ("down", "random", [(slots, down, none)]),
+             ("both", "random", [(slots, down, up)])]
+    if args.orders:
+        cases += [
+            ("up", "sorted", [(slots, none, up_sorted)]), ("down", "sorted", [(slots, down_sorted, none)]),
+            ("both", "sorted", [(slots, down_sorted, up_sorted)]),
+            ("both", "by up", [(slots[by_up], down[by_up], up_sorted)]),
+            ("both", "by down", [(slots[by_down], down_sorted, up[by_down])]),
+            ("both", "two passes", [(slots[by_down], down_sorted, none), (slots[by_up], none, up_sorted)]),
+        ]
     rows = []
-    for name, d, u, crossing in (("up", none, up, 1), ("down", down, none, 1), ("both", down, up, 2)):
-        ms = time_ms(lambda: exchange_tier_rows(stack, tids, slots, d, u, 1, row_dim))
+    for name, order, passes in cases:
+        def run():
+            for s, d, u in passes:
+                exchange_tier_rows(stack, tids, s, d, u, 1, row_dim)
+        ms = time_ms(run)
+        crossing = 2 if name == "both" else 1
         gbs = crossing * args.moves * row_bytes / ms / 1e6
-        rows.append({"moves": name, "lanes": args.moves, "row_bytes": row_bytes, "ms": ms, "gb_per_s": gbs})
-        print(f"{name:<6}{args.moves:>10} rows of {row_bytes} B  {ms:8.3f} ms  {gbs:7.1f} GB/s")
+        rows.append({"moves": name, "order": order, "host_rows": args.rows, "lanes": args.moves, "row_bytes": row_bytes,
+                     "ms": ms, "gb_per_s": gbs})
+        print(f"{name:<6}{order:<12}{args.moves:>10} rows of {row_bytes} B  {ms:8.3f} ms  {gbs:7.1f} GB/s")
     write_results("tier_bandwidth", rows, args.out)
 
 
