@@ -17,7 +17,7 @@ from .counters import EVICTIONS, LOOKUPS
 from .embedding import STEP_POLICIES, DynamicEmbedding
 from .hashing import EMPTY_KEY
 from .probe_kernels import READ_ONLY, TableStack, probe
-from .table_group import CUSTOM, TableGroup, _Gate, _Routing, _Stored, _to_device
+from .table_group import CUSTOM, TableGroup, _Routing, _to_device
 from .tiers import Swapped, Tiers, swap_in, tiers_of
 
 
@@ -51,40 +51,26 @@ class TieredTableGroup(TableGroup):
     def _host_tids(self, tids: torch.Tensor) -> torch.Tensor:
         return tids + len(self.members)
 
-    def _stored(self, r: _Routing) -> _Stored:
-        """As TableGroup's, with the stored scores of rows in either tier."""
-        stored = super()._stored(r)
-        if stored.old is not None:  # a row lives in one tier: absent, a probe's score is 0
-            in_host = torch.zeros_like(r.keys)
-            probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(stored.tids), count=r.count, scores=in_host)
-            stored.old += in_host
-        return stored
-
-    def _claim_scores(self, r: _Routing, stored, ids: list[torch.Tensor], scores: list | None) -> tuple[torch.Tensor, int, bool]:
-        """As TableGroup's; a custom-scored row that moves up from host memory keeps a
-        higher score it had there, as a row found on the device does."""
-        claim_scores, offset, per_table = super()._claim_scores(r, stored, ids, scores)
-        if self._custom:
-            in_host = torch.zeros_like(r.keys)
-            found = probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(stored.tids), count=r.count, scores=in_host) >= 0
-            raise_ = found & (self._score_codes[stored.tids] == CUSTOM)
-            claim_scores = torch.where(raise_, torch.maximum(claim_scores, in_host), claim_scores)
-        return claim_scores, offset, per_table
-
-    def _gate(self, r: _Routing, stored: _Stored | None) -> _Gate:
-        """As TableGroup's; an id stored in host memory is no new id (it moves up)."""
-        gate = super()._gate(r, stored)
-        in_host = probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(gate.tids), count=r.count, found_only=True)
-        gate.barred &= ~in_host
-        return gate
-
     def _train_rows(self, r: _Routing, ids: list[torch.Tensor], scores: list | None) -> None:
+        """As TableGroup's, with one probe of the host tiers for the call: a stored score
+        is the row's in either tier, an id stored in host memory is no new id (it moves up),
+        a custom-scored row moving up keeps a higher score it had there (as a row found on
+        the device does), and swap_in takes the host slots found."""
+        host_scores = torch.zeros_like(r.keys)  # 0 where absent
+        from_host = probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(r.tids), count=r.count, scores=host_scores)
         stored = self._stored(r) if self.per_key_scores else None
+        if stored is not None and stored.old is not None:  # a row lives in one tier
+            stored.old += host_scores
         gate = self._gate(r, stored) if self.admitting else None
+        if gate is not None:
+            gate.barred &= from_host < 0
         claim_scores, offset, per_table = self._claim_scores(r, stored, ids, scores)
+        if self._custom:
+            raise_ = (from_host >= 0) & (self._score_codes[stored.tids] == CUSTOM)
+            claim_scores = torch.where(raise_, torch.maximum(claim_scores, host_scores), claim_scores)
         s = swap_in(
             self._tiers(), r.keys, r.tids, claim_scores, r.count, table_scores=per_table, score_offset=offset,
-            barred=gate.barred if gate is not None else None,
+            barred=gate.barred if gate is not None else None, from_host=from_host,
         )
         on_device = s.slots >= 0
         slots = torch.where(on_device, s.slots, torch.where(s.held, s.host_slots, -1))
@@ -153,7 +139,8 @@ class TieredTableGroup(TableGroup):
         keys, tids = lanes
         stack = self._stack()
         host_scores = torch.zeros_like(keys)
-        in_host = probe(stack, keys, self.bucket_size, 0, self._host_tids(tids), scores=host_scores) >= 0
+        from_host = probe(stack, keys, self.bucket_size, 0, self._host_tids(tids), scores=host_scores)
+        in_host = from_host >= 0
         on_device = probe(stack, keys, self.bucket_size, 0, tids, found_only=True)
         # step-scored members: the batch's rows on either tier get the next step's score;
         # the others keep their rows' scores and move only host rows
@@ -161,5 +148,6 @@ class TieredTableGroup(TableGroup):
         next_scores = _to_device([m._step_score(m.step + 1) for m in self.members], torch.int64, self.device)
         wanted = in_host | (stepped & on_device)
         scores = torch.where(stepped, next_scores[tids.long()], host_scores)
-        s = swap_in(self._tiers(), torch.where(wanted, keys, EMPTY_KEY), tids, scores)
+        # (a lane not wanted is not in host memory: its slot there is -1, as for the reserved key)
+        s = swap_in(self._tiers(), torch.where(wanted, keys, EMPTY_KEY), tids, scores, from_host=from_host)
         self._tally(tids, torch.ones_like(wanted), keys, s, train=False)

@@ -61,12 +61,15 @@ class Swapped(NamedTuple):
 def swap_in(
     tiers: Tiers, keys: torch.Tensor, tids: torch.Tensor, scores: torch.Tensor, count: torch.Tensor | None = None,
     table_scores: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None,
+    from_host: torch.Tensor | None = None,
 ) -> Swapped:
     """Device rows for `keys` (N,) of tables `tids` (N,), with `scores` (N,), or with
     table_scores one per table plus score_offset (as claim takes them). EMPTY_KEY lanes,
     and lanes from count[0] on where a count is given, are skipped; copies of a key share
     its row, and one of them is reported inserted. barred (N,) bool: keys that neither tier
     stores and that may not be given a row (admission: below the threshold).
+    from_host (N,): the keys' slots in their host tiers (-1: not there), where the caller
+    has probed them already.
 
     A key found in host memory moves to the device (promoted); a key in neither tier is
     inserted with its initial row. Device rows that the inserts evict move to host memory
@@ -83,7 +86,8 @@ def swap_in(
     if count is not None:
         live &= torch.arange(n, device=keys.device) < count
     host_tids = tids + host
-    from_host = probe(stack, keys, tiers.bucket_size, 0, host_tids, count=count)
+    if from_host is None:
+        from_host = probe(stack, keys, tiers.bucket_size, 0, host_tids, count=count)
     slots, inserted, evicted, victim_keys, victim_scores = claim(
         stack, keys, scores, tiers.bucket_size, tids, table_scores=table_scores, count=count, score_offset=score_offset,
         barred=barred,
