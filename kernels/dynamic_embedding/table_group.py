@@ -17,8 +17,10 @@ launches each kernel once for all its tables over the distinct ids (lookup and c
 empty slots, evictions, row initialisation, counting) and once over the lanes (gather,
 and initial embeddings of ids without a row). Its update sorts the lanes by distinct id,
 so that the copies of an id sit together, then sums each distinct id's gradients and runs
-the optimizer in one kernel. At max capacity none of this waits for the GPU; below it,
-one check per lookup decides whether a table must grow.
+the optimizer in one kernel. None of this waits for the GPU: below max capacity, a
+training lookup copies whether a table must grow to the host without waiting, and the
+group's next call (the update, as a rule) reads it and grows where it says so
+(_settle); only a growth waits.
 
 A group differs from its tables' own lookups in two ways: the reserved key (int64 min)
 is served its initial embedding and never stored instead of raising, and the gradients
