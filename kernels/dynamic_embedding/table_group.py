@@ -339,12 +339,8 @@ class TableGroup:
         bucket full, or the table passed its load factor) is copied to the host without
         waiting and settled later (_settle): an id without a slot is new, and is served
         its initial embedding, which is what a row inserted after growing holds."""
-        scores, offset, per_table = scored
-        slots, inserted, _, _, _ = claim(
-            self._stack(), r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
-            counts=self._counts, count=r.count, victims=False, score_offset=offset, barred=barred,
-        )
-        growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
+        slots, inserted = self._find_or_insert(r, scored, barred)
+        growing = self._growing()
         if growing:
             # claiming again later, only the segments without a slot may be inserted (ids
             # erased since, or stored, stay as they are)
@@ -352,13 +348,32 @@ class TableGroup:
             self._pending = _PendingGrowth(growing, self._growth_checks(r, slots, growing), r, scored, settled)
         return slots, inserted
 
+    def _find_or_insert(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], barred: torch.Tensor | None):
+        """One claim of the segments' ids (slots, -2 for an id its full bucket could not
+        take; inserted), counted into the statistics."""
+        scores, offset, per_table = scored
+        slots, inserted, _, _, _ = claim(
+            self._stack(), r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
+            counts=self._counts, count=r.count, victims=False, score_offset=offset, barred=barred,
+        )
+        return slots, inserted
+
+    def _growing(self) -> list[int]:
+        """The members whose tables can still grow."""
+        return [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
+
+    def _flagged_per_member(self, r: _Routing, flags: torch.Tensor) -> torch.Tensor:
+        """(T,) int64: the segments (of the count) with their flag set, per member."""
+        used = torch.arange(flags.numel(), device=self.device) < r.count
+        out = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
+        out.index_add_(0, torch.where(used, r.tids, 0).long(), (used & flags).long())
+        return out
+
     def _growth_checks(self, r: _Routing, slots: torch.Tensor, growing: list[int]):
         """(checks, event): per growing member, the ids it had no slot for and its size,
         on their way to the host (pinned memory, an event after the copy); on a CPU the
-        tensor itself and None."""
-        used = torch.arange(slots.numel(), device=self.device) < r.count
-        full = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
-        full.index_add_(0, torch.where(used, r.tids, 0).long(), (used & (slots == -2)).long())
+        tensor itself and None. _read_checks reads them."""
+        full = self._flagged_per_member(r, slots == -2)
         checks = torch.stack([torch.stack([full[i], self.members[i].table.size_on_device()]) for i in growing])
         if self.device.type != "cuda":
             return checks, None
@@ -367,6 +382,15 @@ class TableGroup:
         event = torch.cuda.Event()
         event.record()
         return host, event
+
+    @staticmethod
+    def _read_checks(checks: tuple) -> list:
+        """_growth_checks' values on the host, once their copy's event has passed (a wait for
+        that event alone)."""
+        values, event = checks
+        if event is not None:
+            event.synchronize()
+        return values.tolist()
 
     def _settle(self) -> None:
         """Acts on the last training lookup's growth check: waits for its event alone (the
@@ -377,11 +401,8 @@ class TableGroup:
         p, self._pending = self._pending, None
         if p is None:
             return
-        checks, event = p.checks
-        if event is not None:
-            event.synchronize()
         grow = [
-            self.members[i].table for i, (no_slot, size) in zip(p.growing, checks.tolist())
+            self.members[i].table for i, (no_slot, size) in zip(p.growing, self._read_checks(p.checks))
             if no_slot or size > self.members[i].table.max_load_factor * self.members[i].table.capacity
         ]
         if not grow:
@@ -393,9 +414,7 @@ class TableGroup:
         init_rows(r.keys, r.tids, slots, inserted, r.count, self._stack(), self._seeds, self._scales, self.dim)
         # the lookup counted the ids without a slot as rejections; inserted now, they are
         # inserts (the claim counted them so, less a hit)
-        used = torch.arange(slots.numel(), device=self.device) < r.count
-        late = torch.zeros(len(self.members), dtype=torch.int64, device=self.device)
-        late.index_add_(0, torch.where(used, r.tids, 0).long(), (used & inserted).long())
+        late = self._flagged_per_member(r, inserted)
         self._counts[:, HITS] += late
         self._counts[:, REJECTIONS] -= late
         self._rows(r, slots, counted=None)
@@ -404,16 +423,12 @@ class TableGroup:
     def _claim_growing(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], barred: torch.Tensor | None):
         """The claim again after growing, growing and claiming again until every id that
         may be inserted has a slot (each check waits for the GPU)."""
-        scores, offset, per_table = scored
-        slots, inserted, _, _, _ = claim(
-            self._stack(), r.keys, scores, self.bucket_size, r.tids, table_scores=per_table,
-            counts=self._counts, count=r.count, victims=False, score_offset=offset, barred=barred,
-        )
-        growing = [i for i, m in enumerate(self.members) if m.table.insert_mode == GROW]
+        slots, inserted = self._find_or_insert(r, scored, barred)
+        growing = self._growing()
         if not growing:
             return slots, inserted
-        checks, _ = self._growth_checks(r, slots, growing)
-        grow = [self.members[i].table for i, (no_slot, _) in zip(growing, checks.tolist()) if no_slot]
+        checks = self._read_checks(self._growth_checks(r, slots, growing))
+        grow = [self.members[i].table for i, (no_slot, _) in zip(growing, checks) if no_slot]
         if not grow:
             return slots, inserted
         for t in grow:
