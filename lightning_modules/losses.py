@@ -4,11 +4,13 @@ negatives or over the whole catalog.
 The catalog softmax is the costly one: its (positions × items) logits are hundreds of
 megabytes per step on a catalog of ten thousand items. `catalog_softmax_loss` never holds
 them (kernels.softmax_cross_entropy: blocks of positions on a CPU, one on-chip pass of
-Triton kernels on a GPU).
+Triton kernels on a GPU). `sampled_softmax_loss` holds them once, in the products' dtype
+(kernels.sampled_softmax).
 """
 import torch
 import torch.nn.functional as F
 
+from kernels.sampled_softmax import sampled_softmax_cross_entropy
 from kernels.softmax_cross_entropy import softmax_cross_entropy
 
 
@@ -23,16 +25,14 @@ def sampled_softmax_loss(
     """Cross-entropy of each target against shared sampled negatives, on cosine similarity.
 
     out (P, D) normalized outputs, target_emb (P, D), negative_emb (N, D); a negative equal
-    to the position's own target is masked out.
+    to the position's own target is masked out. Equal to F.cross_entropy of
+    [out · t, out · negativesᵀ (masked)] / temperature against label 0, without its
+    float32 copies of the (P, N) logits (kernels.sampled_softmax).
     """
-    target = F.normalize(target_emb, dim=-1)
-    negatives = F.normalize(negative_emb, dim=-1)
-    pos_logit = (out * target).sum(-1, keepdim=True)  # (P, 1)
-    neg_logits = out @ negatives.T  # (P, N)
-    neg_logits = neg_logits.masked_fill(negative_ids[None, :] == target_ids[:, None], float("-inf"))
-    logits = torch.cat([pos_logit, neg_logits], 1) / temperature
-    labels = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
-    return F.cross_entropy(logits, labels)
+    positive = (out * F.normalize(target_emb, dim=-1)).sum(-1)
+    return sampled_softmax_cross_entropy(
+        out / temperature, F.normalize(negative_emb, dim=-1), positive / temperature, negative_ids, target_ids,
+    )
 
 
 def catalog_softmax_loss(out: torch.Tensor, item_emb: torch.Tensor, target_index: torch.Tensor, temperature: float) -> torch.Tensor:
