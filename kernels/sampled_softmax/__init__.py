@@ -9,8 +9,7 @@ more products. Differentiable in q, keys and the positives' logits on both paths
 """
 import torch
 
-from ..backend import use_triton
-from ..softmax_cross_entropy.reference import matmul_dtype
+from ..backend import matmul_dtype, use_triton
 from . import reference, triton_kernels
 
 __all__ = ["sampled_softmax_cross_entropy"]

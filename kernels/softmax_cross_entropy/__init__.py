@@ -5,9 +5,8 @@ Differentiable in q and keys on both paths; reference.py states the computation.
 """
 import torch
 
-from ..backend import use_triton
+from ..backend import matmul_dtype, use_triton
 from . import reference, triton_kernels
-from .reference import matmul_dtype
 
 __all__ = ["softmax_cross_entropy"]
 

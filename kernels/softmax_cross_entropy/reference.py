@@ -11,6 +11,8 @@ in its dtype and the softmax in float32, as autocast runs a matmul and cross_ent
 """
 import torch
 
+from ..backend import matmul_dtype
+
 # logits per block (rows × keys): on a CPU a block that stays in cache (2 MB of fp32; 2.7x
 # faster than the whole matrix at once on 10,000 keys); on a GPU a block large enough to
 # fill the device, few launches per step
@@ -22,12 +24,6 @@ def block_rows(num_keys: int, device: torch.device) -> int:
     """Positions per block over num_keys keys."""
     budget = BLOCK_LOGITS_CPU if device.type == "cpu" else BLOCK_LOGITS_GPU
     return max(1, budget // max(num_keys, 1))
-
-
-def matmul_dtype(q: torch.Tensor) -> torch.dtype:
-    """The products' dtype: autocast's where it is on for q's device, else q's."""
-    device = q.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
 
 
 class _BlockwiseSoftmaxCE(torch.autograd.Function):
