@@ -46,9 +46,10 @@ def sampled_softmax_cross_entropy(
     q: torch.Tensor, keys: torch.Tensor, positive: torch.Tensor, key_ids: torch.Tensor, row_ids: torch.Tensor,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """() float32 (float64 for float64 q): the mean over the P rows of q (P, D) of −log softmax([positive_p,
-    q_p · keys_mᵀ for the m with key_ids[m] != row_ids[p]])[0]; keys (N, D), positive (P,)
-    each row's positive logit, key_ids (N,) and row_ids (P,) int64. NaN for P = 0."""
+    """() float32 (float64 for float64 q): the mean over the P rows of q (P, D) of
+    −log softmax([positive_p, q_p · keys_mᵀ for the m with key_ids[m] != row_ids[p]])[0];
+    keys (N, D), positive (P,) each row's positive logit, key_ids (N,) and row_ids (P,)
+    int64. NaN for P = 0."""
     triton = use_triton(backend, q.device, "sampled softmax")
     if q.dim() != 2 or keys.dim() != 2 or q.shape[1] != keys.shape[1]:
         raise ValueError(f"q and keys must be (P, D) and (N, D): got {tuple(q.shape)} and {tuple(keys.shape)}")
