@@ -43,6 +43,10 @@ class HSTUConfig:
     # on one CUDA device, the model's training forward and backward replay CUDA graphs, one
     # per bucket of padded row counts (this many, evenly spaced; 0: no graphs)
     cuda_graph_buckets: int = 4
+    # each block's work around the attention (layer norms, SiLU, the split, the product
+    # with U, dropout) through torch.compile: fewer passes over memory, a compilation at the
+    # first step (hstu.py)
+    compile_blocks: bool = False
 
     def embedding_config(self) -> EmbeddingConfig:
         return EmbeddingConfig(
@@ -71,6 +75,7 @@ class HSTUConfig:
         d["betas"] = tuple(d["betas"])
         d.setdefault("item_features", False)  # configs saved before the fields existed
         d.setdefault("balanced_batches", True)
+        d.setdefault("compile_blocks", False)
         return HSTUConfig(**d)
 
     def override(self, **changes) -> "HSTUConfig":
@@ -84,6 +89,7 @@ PRESETS = {
     "hstu-long": HSTUConfig(
         num_blocks=8, num_heads=4, attention_dim=128, linear_dim=128, embedding_dim=512, max_seq_len=4096, batch_size=16,
         cuda_graph_buckets=0,  # the host is not its bound, and each bucket's graph holds its activations
+        compile_blocks=True,
     ),
 }
 

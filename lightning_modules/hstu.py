@@ -14,7 +14,14 @@ relative position and time-gap biases up from their tables. Each block computes
 and the output is L2-normalized. Row t's output depends on rows 0..t of its sequence
 only. The item embeddings come from outside (the dynamic table), so this module holds only
 dense weights.
+
+A block's work around the attention is two functions of tensors, block_input and
+block_output. With HSTUConfig.compile_blocks they run through torch.compile (one compiled
+function for every block, the row count symbolic): each layer norm, the casts autocast
+makes around it, SiLU, the split into contiguous Q, K, V, the product with U and the
+dropout become a few fused kernels instead of a pass over memory each.
 """
+import functools
 import math
 
 import torch
@@ -48,11 +55,42 @@ class RelativeBias(nn.Module):
         self.time = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(0, 0.02))
 
 
+def block_input(
+    x: torch.Tensor, norm: nn.LayerNorm, uvqk_weight: torch.Tensor, heads: int, dqk: int, dv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's projections of x (total, D): U (total, heads · dv), then V (total, heads,
+    dv), Q and K (total, heads, dqk), each contiguous as the attention kernels read them."""
+    total = x.shape[0]
+    u, v, q, k = F.silu(F.linear(norm(x), uvqk_weight)).split([heads * dv, heads * dv, heads * dqk, heads * dqk], dim=-1)
+    return u, v.reshape(total, heads, dv).contiguous(), q.reshape(total, heads, dqk).contiguous(), k.reshape(total, heads, dqk).contiguous()
+
+
+def block_output(
+    x: torch.Tensor, attention: torch.Tensor, u: torch.Tensor, norm: nn.LayerNorm, output: nn.Linear, dropout: nn.Dropout,
+) -> torch.Tensor:
+    """x + W_o · Dropout(LayerNorm(attention) ⊙ U): attention (total, heads, dv) is the
+    attention's output, u (total, heads · dv) block_input's U."""
+    return x + output(dropout(norm(attention.reshape(u.shape)) * u))
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def _rows_symbolic(*tensors: torch.Tensor) -> None:
+    """Tells torch.compile that these tensors' row counts vary between calls (a jagged
+    batch's total), so that it compiles once for every count."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 class HSTUBlock(nn.Module):
     def __init__(self, c: HSTUConfig):
         super().__init__()
         self.heads, self.dqk, self.dv = c.num_heads, c.attention_dim, c.linear_dim
         self.max_seq_len = c.max_seq_len
+        self.compile = c.compile_blocks
         self.input_norm = nn.LayerNorm(c.embedding_dim)
         # initialized as the paper's reference implementation: small U, V, Q, K projections
         # (std 0.02, no bias) and a Xavier output projection
@@ -65,14 +103,14 @@ class HSTUBlock(nn.Module):
         self.bias = RelativeBias(c.max_seq_len, c.num_time_buckets)
 
     def forward(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, backend: str) -> torch.Tensor:
-        total = x.shape[0]
-        H, dqk, dv = self.heads, self.dqk, self.dv
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split([H * dv, H * dv, H * dqk, H * dqk], dim=-1)
-        out = hstu_attention(
-            q.reshape(total, H, dqk), k.reshape(total, H, dqk), v.reshape(total, H, dv),
-            offsets, timestamps, self.bias.position, self.bias.time, self.max_seq_len, backend=backend,
-        )
-        return x + self.output(self.dropout(self.attn_norm(out.reshape(total, H * dv)) * u))
+        into, out_of = (_compiled(block_input), _compiled(block_output)) if self.compile else (block_input, block_output)
+        if self.compile:
+            _rows_symbolic(x)
+        u, v, q, k = into(x, self.input_norm, self.uvqk.weight, self.heads, self.dqk, self.dv)
+        out = hstu_attention(q, k, v, offsets, timestamps, self.bias.position, self.bias.time, self.max_seq_len, backend=backend)
+        if self.compile:
+            _rows_symbolic(out, u)
+        return out_of(x, out, u, self.attn_norm, self.output, self.dropout)
 
 
 class HSTU(nn.Module):

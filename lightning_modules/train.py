@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--cuda-graph-buckets", type=int,
                    help="on GPUs, CUDA graphs of the model's training step, one per bucket of padded rows (0: none; default: the preset's)")
+    p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
+                   help="each block's work around the attention through torch.compile (default: the preset's setting)")
     p.add_argument("--item-features", action=argparse.BooleanOptionalAction, default=None,
                    help="pool each item's genres (items.parquet) into its embedding (default: the preset's setting)")
     p.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
@@ -85,7 +87,8 @@ def model_config(args, catalog_size: int):
     if args.model == "sasrec":
         return SASRecConfig(num_items=catalog_size, **{k: v for k, v in given.items() if v is not None})
     return preset(args.preset).override(
-        num_negatives=args.num_negatives, item_features=args.item_features, cuda_graph_buckets=args.cuda_graph_buckets, **given
+        num_negatives=args.num_negatives, item_features=args.item_features, cuda_graph_buckets=args.cuda_graph_buckets,
+        compile_blocks=args.compile_blocks, **given
     )
 
 
