@@ -182,6 +182,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     per_gpu = args.batch_size or preset(args.preset).batch_size
     config = preset(args.preset).override(batch_size=per_gpu * world, cuda_graph_buckets=args.cuda_graph_buckets,
+                                          compile_blocks=args.compile_blocks,
                                           balanced_batches=False if args.unbalanced else None)
     catalog = SequenceDataModule(args.data_dir, 1, 1).catalog()
     data = SequenceDataModule(args.data_dir, config.max_seq_len, per_gpu, num_workers=2 if device == "cuda" else 0,
@@ -237,6 +238,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     return {
         "workload": "hstu", "preset": args.preset, "batch_per_gpu": per_gpu, "max_seq_len": config.max_seq_len,
         "cuda_graph_buckets": config.cuda_graph_buckets if device == "cuda" else 0, "balanced_batches": config.balanced_batches,
+        "compile_blocks": config.compile_blocks,
         "ms_per_step": 1000 * plain_s / args.steps, "samples_per_s_per_gpu": sum(len(x) for x in lengths) / plain_s,
         "tflops_per_gpu": flops / plain_s / 1e12, **comm(timer, instrumented_s, args.steps, world),
     }
@@ -315,6 +317,8 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, help="HSTU sequences per GPU (default: the preset's)")
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
+    p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
+                   help="the blocks' work around the attention through torch.compile (default: the preset's)")
     p.add_argument("--unbalanced", action="store_true", help="HSTU: the ranks' shares of a batch drawn at random, not split by cost")
     p.add_argument("--profile", action="store_true", help="print rank 0's top operations in each run's plain pass (which then runs slower)")
     p.add_argument("--trace", help="with --profile: a folder for rank 0's Chrome trace of each run's plain pass")
@@ -338,6 +342,8 @@ def main(argv=None) -> None:
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.cuda_graph_buckets is not None:
         common += ["--cuda-graph-buckets", str(args.cuda_graph_buckets)]
+    if args.compile_blocks is not None:
+        common += ["--compile-blocks" if args.compile_blocks else "--no-compile-blocks"]
     common += ["--profile"] if args.profile else []
     common += ["--trace", str(Path(args.trace).resolve())] if args.trace else []
     common += ["--unbalanced"] if args.unbalanced else []

@@ -45,7 +45,8 @@ class HSTUConfig:
     cuda_graph_buckets: int = 4
     # each block's work around the attention (layer norms, SiLU, the split, the product
     # with U, dropout) through torch.compile: fewer passes over memory, a compilation at the
-    # first step (hstu.py)
+    # first step (hstu.py). Off by default: faster on one GPU, measured slower under 4
+    # processes on one host (benchmarks/scaling.md)
     compile_blocks: bool = False
 
     def embedding_config(self) -> EmbeddingConfig:
@@ -89,7 +90,6 @@ PRESETS = {
     "hstu-long": HSTUConfig(
         num_blocks=8, num_heads=4, attention_dim=128, linear_dim=128, embedding_dim=512, max_seq_len=4096, batch_size=16,
         cuda_graph_buckets=0,  # the host is not its bound, and each bucket's graph holds its activations
-        compile_blocks=True,
     ),
 }
 
