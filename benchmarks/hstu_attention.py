@@ -2,6 +2,12 @@
 backward, on one GPU.
 
     python benchmarks/hstu_attention.py [--out FILE]
+    python benchmarks/hstu_attention.py --against DIR [--rounds 2]
+
+--against DIR times the Triton kernels of another checkout (its `kernels` package, say
+`git archive REV | tar -x -C DIR`) beside this one's on the same inputs instead of the twin,
+the two alternated for --rounds rounds (the best of each kept), and prints how far the two
+outputs and gradients lie apart.
 
 Shapes (bf16, lengths uniform in [N/2, N], max_seq_len N): B32 N4096 H4 D128, B128 N200
 H2 D64, and the paper presets' attention (B128 N200: H1 D50; H2 D25). TFLOP/s counts the
@@ -10,6 +16,8 @@ causal half of QKᵀ and AV: forward H · Σ n² · (dqk + dv), forward + backwa
 Times: the median of triton.testing.do_bench (CUDA events); the twin where it fits in memory.
 """
 import argparse
+import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -38,6 +46,19 @@ def inputs(batch, n, heads, dim, seed=0):
     return qkv, offsets, timestamps, position_bias, time_bias, float((lengths.double() ** 2).sum())
 
 
+def other_attention(root: Path):
+    """hstu_attention of the `kernels` package of the checkout at root, imported under
+    another name (its relative imports stay inside it)."""
+    name = "kernels_against"
+    spec = importlib.util.spec_from_file_location(
+        name, root / "kernels" / "__init__.py", submodule_search_locations=[str(root / "kernels")]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    return importlib.import_module(f"{name}.hstu_attention").hstu_attention
+
+
 def bench(fn) -> float | None:
     try:
         return do_bench(fn, warmup=10, rep=100, return_mode="median")
@@ -46,42 +67,78 @@ def bench(fn) -> float | None:
         return None
 
 
+def time_impl(attention, label, backend, q, k, v, offsets, timestamps, position_bias, time_bias, n, grad) -> dict:
+    """Forward, forward + backward, and forward + backward with fixed biases of one
+    implementation, ms (None where it does not fit)."""
+    fixed = (position_bias.detach(), time_bias.detach())
+
+    def forward(biases=(position_bias, time_bias)):
+        return attention(q, k, v, offsets, timestamps, *biases, n, backend=backend)
+
+    if backend == "reference" and n > 1024:
+        with torch.no_grad():
+            fwd = bench(forward)
+        step = step_fixed = None  # the twin's autograd keeps (H, n, n) tensors per sequence
+    else:
+        fwd = bench(lambda: forward())
+        step = bench(lambda: forward().backward(grad))
+        step_fixed = bench(lambda: forward(fixed).backward(grad))
+    return {"impl": label, "forward_ms": fwd, "forward_backward_ms": step, "forward_backward_fixed_bias_ms": step_fixed}
+
+
+def fastest(runs: list[dict], forward_flops: float) -> dict:
+    """One implementation's rows of several rounds as one: the least time of each kind."""
+    row = {"impl": runs[0]["impl"]}
+    for key in ("forward_ms", "forward_backward_ms", "forward_backward_fixed_bias_ms"):
+        times = [r[key] for r in runs if r[key] is not None]
+        row[key] = min(times) if times else None
+    row["forward_TFLOPs"] = forward_flops / row["forward_ms"] / 1e9 if row["forward_ms"] else None
+    row["forward_backward_TFLOPs"] = 3.5 * forward_flops / row["forward_backward_ms"] / 1e9 if row["forward_backward_ms"] else None
+    return row
+
+
+def gradients(attention, q, k, v, offsets, timestamps, position_bias, time_bias, n, grad) -> list[torch.Tensor]:
+    """The output and the gradients of q, k, v and both biases, float32."""
+    tensors = [q, k, v, position_bias, time_bias]
+    out = attention(q, k, v, offsets, timestamps, position_bias, time_bias, n, backend="triton")
+    return [out.detach().float()] + [g.float() for g in torch.autograd.grad(out, tensors, grad)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON path (default benchmarks/results/hstu_attention_<device>.json)")
+    p.add_argument("--against", type=Path, help="a checkout whose Triton kernels are timed beside these (no twin)")
+    p.add_argument("--rounds", type=int, default=2, help="with --against: rounds of the two, alternated (the best kept)")
     args = p.parse_args()
+    if args.against:
+        impls = [(hstu_attention, "triton", "triton"), (other_attention(args.against.resolve()), f"triton ({args.against})", "triton")]
+    else:
+        impls = [(hstu_attention, "triton", "triton"), (hstu_attention, "reference", "reference")]
+    rounds = args.rounds if args.against else 1
     rows = []
     for batch, n, heads, dim in SHAPES:
         (q, k, v), offsets, timestamps, position_bias, time_bias, squares = inputs(batch, n, heads, dim)
-        forward_flops = heads * squares * 2 * dim
+        tensors = (q, k, v, offsets, timestamps, position_bias, time_bias, n)
         grad = torch.randn_like(v)
-        fixed = (position_bias.detach(), time_bias.detach())
-        for impl in ("triton", "reference"):
-            def forward(biases=(position_bias, time_bias)):
-                return hstu_attention(q, k, v, offsets, timestamps, *biases, n, backend=impl)
-
-            if impl == "reference" and n > 1024:
-                with torch.no_grad():
-                    fwd = bench(forward)
-                step = None  # the twin's autograd keeps (H, n, n) tensors per sequence
-                step_fixed = None
-            else:
-                fwd = bench(lambda: forward())
-                step = bench(lambda: forward().backward(grad))
-                step_fixed = bench(lambda: forward(fixed).backward(grad))
-            row = {"shape": f"B{batch} N{n} H{heads} D{dim} bf16", "impl": impl, "forward_ms": fwd, "forward_backward_ms": step,
-                   "forward_backward_fixed_bias_ms": step_fixed}
-            row["forward_TFLOPs"] = forward_flops / fwd / 1e9 if fwd else None
-            row["forward_backward_TFLOPs"] = 3.5 * forward_flops / step / 1e9 if step else None
-            rows.append(row)
+        timed = {}  # label: its rows, one per round
+        for _ in range(rounds):
+            for attention, label, backend in impls:
+                timed.setdefault(label, []).append(time_impl(attention, label, backend, *tensors, grad))
+        best = {label: fastest(runs, heads * squares * 2 * dim) for label, runs in timed.items()}
+        if args.against:
+            ours, theirs = (gradients(attention, *tensors, grad) for attention, _, _ in impls)
+            apart = {name: float((a - b).abs().max()) for name, a, b in zip(("out", "dq", "dk", "dv", "d_position", "d_time"), ours, theirs)}
+            print(f"B{batch} N{n} H{heads} D{dim}: largest differences {apart}")
+            best[impls[1][1]]["largest_differences"] = apart
+        rows += [{"shape": f"B{batch} N{n} H{heads} D{dim} bf16", **row} for row in best.values()]
 
     def fmt(x, spec):
         return format(x, spec) if x is not None else "-"
 
-    print(f"{'shape':24} {'impl':10} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'f+b fixed':>9}")
+    print(f"{'shape':24} {'impl':22} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'f+b fixed':>9}")
     for r in rows:
         print(
-            f"{r['shape']:24} {r['impl']:10} {fmt(r['forward_ms'], '8.3f')} {fmt(r['forward_TFLOPs'], '8.1f')} "
+            f"{r['shape']:24} {r['impl']:22} {fmt(r['forward_ms'], '8.3f')} {fmt(r['forward_TFLOPs'], '8.1f')} "
             f"{fmt(r['forward_backward_ms'], '8.3f')} {fmt(r['forward_backward_TFLOPs'], '8.1f')} {fmt(r['forward_backward_fixed_bias_ms'], '9.3f')}"
         )
     write_results("hstu_attention", rows, args.out)
