@@ -74,15 +74,18 @@ def block_output(
 
 
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn)
+def _compiled(fn, jagged: tuple[int, ...]):
+    """fn through torch.compile, the row counts of its arguments at the places `jagged`
+    marked as varying between calls (a jagged batch's total), so that one compilation serves
+    every count."""
+    compiled = torch.compile(fn)
 
+    def call(*args):
+        for i in jagged:
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        return compiled(*args)
 
-def _rows_symbolic(*tensors: torch.Tensor) -> None:
-    """Tells torch.compile that these tensors' row counts vary between calls (a jagged
-    batch's total), so that it compiles once for every count."""
-    for t in tensors:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return call
 
 
 class HSTUBlock(nn.Module):
@@ -103,13 +106,12 @@ class HSTUBlock(nn.Module):
         self.bias = RelativeBias(c.max_seq_len, c.num_time_buckets)
 
     def forward(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, backend: str) -> torch.Tensor:
-        into, out_of = (_compiled(block_input), _compiled(block_output)) if self.compile else (block_input, block_output)
-        if self.compile:
-            _rows_symbolic(x)
+        # (x, and the attention's output and U: the jagged arguments)
+        into, out_of = (
+            (_compiled(block_input, (0,)), _compiled(block_output, (0, 1, 2))) if self.compile else (block_input, block_output)
+        )
         u, v, q, k = into(x, self.input_norm, self.uvqk.weight, self.heads, self.dqk, self.dv)
         out = hstu_attention(q, k, v, offsets, timestamps, self.bias.position, self.bias.time, self.max_seq_len, backend=backend)
-        if self.compile:
-            _rows_symbolic(out, u)
         return out_of(x, out, u, self.attn_norm, self.output, self.dropout)
 
 
