@@ -19,6 +19,9 @@ Prints a table and writes JSON to benchmarks/results/.
 """
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
 import platform
 import sys
 import tempfile
@@ -48,6 +51,8 @@ PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16, SXM parts, by a word
 ML1M_LIKE_MAX_LEN = 2000  # the synthetic generator's longest sequence
 CATALOG = 1 << 20  # items of the uniform-length data
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's sync debug mode warning
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")  # host calls that start GPU work
+HOST_PROFILE_ROWS = 45  # functions --host-profile prints, by own time and by cumulative time
 
 
 def uniform_lengths_data(path: Path, users: int, max_len: int, seed: int) -> None:
@@ -73,10 +78,11 @@ class StepTimer(L.Callback):
     one's kernels, as in training). The timed batches' lengths stay on the device until
     the end."""
 
-    def __init__(self, warmup: int, device: str, profiler=None, count_syncs: bool = False):
+    def __init__(self, warmup: int, device: str, profiler=None, count_syncs: bool = False, host_profiler: cProfile.Profile | None = None):
         self.warmup, self.device = warmup, device
         self.start, self.elapsed, self.steps, self.lengths = None, None, 0, []
         self.profiler = profiler  # torch.profiler over the timed steps, or None
+        self.host_profiler = host_profiler  # cProfile over the timed steps' main thread, or None
         # CUDA: torch warns at each operation of the timed steps that waits for the device;
         # Triton's kernels compiled in the timed steps are listed too
         self.count_syncs = count_syncs and device == "cuda"
@@ -97,6 +103,8 @@ class StepTimer(L.Callback):
             if self.count_syncs:
                 torch.cuda.set_sync_debug_mode("warn")
                 triton.knobs.runtime.jit_post_compile_hook = self._on_compile
+            if self.host_profiler is not None:
+                self.host_profiler.enable()
             self.start = time.perf_counter()
         elif trainer.global_step > self.warmup:
             self.lengths.append(batch["input_offsets"].diff())  # no read back until the end
@@ -104,6 +112,8 @@ class StepTimer(L.Callback):
             if trainer.global_step == trainer.max_steps:
                 self._sync()
                 self.elapsed = time.perf_counter() - self.start
+                if self.host_profiler is not None:
+                    self.host_profiler.disable()
                 if self.count_syncs:
                     torch.cuda.set_sync_debug_mode("default")
                     triton.knobs.runtime.jit_post_compile_hook = None
@@ -124,7 +134,7 @@ def sync_sites(caught: list) -> Counter:
 def run(
     device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
     cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2, whole_item_table: int | None = None,
-    compile_blocks: bool | None = None,
+    compile_blocks: bool | None = None, host_profile: bool = False,
 ) -> dict:
     config = preset(preset_name).override(
         batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets, compile_blocks=compile_blocks, embedding_capacity=whole_item_table,
@@ -143,7 +153,8 @@ def run(
         if profile:
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
             profiler = torch.profiler.profile(activities=activities)
-        timer = StepTimer(warmup, device, profiler, count_syncs)
+        host_profiler = cProfile.Profile() if host_profile else None
+        timer = StepTimer(warmup, device, profiler, count_syncs, host_profiler)
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
@@ -158,7 +169,17 @@ def run(
         Path(profile).mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(Path(profile) / f"{preset_name}.json"))
         sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-        print(f"\n{preset_name}: the timed steps by {sort}\n" + profiler.key_averages().table(sort_by=sort, row_limit=30))
+        events = profiler.key_averages()
+        print(f"\n{preset_name}: the timed steps by {sort}\n" + events.table(sort_by=sort, row_limit=30))
+        print(f"{preset_name}: the timed steps by self CPU time\n" + events.table(sort_by="self_cpu_time_total", row_limit=30))
+        launches = {e.key: e.count for e in events if e.key in LAUNCH_CALLS}
+        print(f"{preset_name}: launches per timed step: {sum(launches.values()) / timer.steps:.1f} {launches}")
+    if host_profiler is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(host_profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(HOST_PROFILE_ROWS)
+        stats.sort_stats("cumulative").print_stats(HOST_PROFILE_ROWS)
+        print(f"\n{preset_name}: the timed steps' main thread (cProfile, {timer.steps} steps)\n{text.getvalue()}")
     sites = sync_sites(caught)
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     lengths = timer.input_lengths()
@@ -196,13 +217,14 @@ def main() -> None:
     p.add_argument("--count-syncs", action="store_true", help="CUDA: count the timed steps' waits for the device by call site, and list Triton compilations in them (slows the steps)")
     p.add_argument("--whole-item-table", type=int, metavar="ROWS",
                    help="the item table allocated whole at this many rows (capacity = max_capacity: it never grows, so no lookup checks whether it must)")
-    p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops, write Chrome traces to DIR")
+    p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops and launches per step, write Chrome traces to DIR")
+    p.add_argument("--host-profile", action="store_true", help="cProfile the timed steps' main thread (the host's Python) and print its top functions")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
     rows = [
         run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets, args.count_syncs,
-            args.workers, args.whole_item_table, args.compile_blocks)
+            args.workers, args.whole_item_table, args.compile_blocks, args.host_profile)
         for name in args.preset
     ]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")
