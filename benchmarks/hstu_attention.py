@@ -2,7 +2,7 @@
 backward, on one GPU.
 
     python benchmarks/hstu_attention.py [--out FILE]
-    python benchmarks/hstu_attention.py --against DIR [--rounds 2]
+    python benchmarks/hstu_attention.py --against DIR [--rounds 2] [--shapes 0 1]
 
 --against DIR times the Triton kernels of another checkout (its `kernels` package, say
 `git archive REV | tar -x -C DIR`) beside this one's on the same inputs instead of the twin,
@@ -109,14 +109,16 @@ def main() -> None:
     p.add_argument("--out", help="JSON path (default benchmarks/results/hstu_attention_<device>.json)")
     p.add_argument("--against", type=Path, help="a checkout whose Triton kernels are timed beside these (no twin)")
     p.add_argument("--rounds", type=int, default=2, help="with --against: rounds of the two, alternated (the best kept)")
+    p.add_argument("--shapes", type=int, nargs="+", metavar="I", help="only these of SHAPES, by index (default: all)")
     args = p.parse_args()
+    shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
     if args.against:
         impls = [(hstu_attention, "triton", "triton"), (other_attention(args.against.resolve()), f"triton ({args.against})", "triton")]
     else:
         impls = [(hstu_attention, "triton", "triton"), (hstu_attention, "reference", "reference")]
     rounds = args.rounds if args.against else 1
     rows = []
-    for batch, n, heads, dim in SHAPES:
+    for batch, n, heads, dim in shapes:
         (q, k, v), offsets, timestamps, position_bias, time_bias, squares = inputs(batch, n, heads, dim)
         tensors = (q, k, v, offsets, timestamps, position_bias, time_bias, n)
         grad = torch.randn_like(v)

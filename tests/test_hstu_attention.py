@@ -93,6 +93,14 @@ def test_with_two_bucket_tiles_on_every_length_matches_the_twin(lengths, targets
     test_triton_attention_matches_the_twin_forward_and_backward(lengths, torch.float32, 2, 50, 64, targets, context_len)
 
 
+@pytest.mark.parametrize("heads", [3, 4])
+@pytest.mark.usefixtures("two_bucket_tiles")
+def test_programs_of_one_head_and_of_two_match_the_twin(heads):
+    """An even head count runs the forward two heads a program (four heads: two such pairs
+    per sequence), an odd one a head a program."""
+    test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float32, heads, 32, 16, True, 3)
+
+
 def test_the_masks_and_buckets_are_the_stated_ones():
     # 6 rows: a context prefix of 1, history rows 1-3, targets 4 and 5
     want = torch.tensor([

@@ -1,10 +1,12 @@
 """HSTU attention on jagged sequences as Triton kernels, with the signature of the twin in
 reference.py (which states the computation and the masks).
 
-Forward: a program per block of BLOCK_M query rows of one sequence and head steps through
-the key blocks its rows may attend to, computing the scores in float32 with the two
-biases looked up from their tables inside the kernel (no (L, L) tensor in memory), and
-accumulates SiLU(scores) / max_seq_len · V. The grid is sized by max_seq_len, so no length
+Forward: a program per block of BLOCK_M query rows of one sequence and head (or of two
+consecutive heads, where the head count is even) steps through the key blocks its rows may
+attend to, computing the scores in float32 with the two biases looked up from their tables
+inside the kernel (no (L, L) tensor in memory), and accumulates SiLU(scores) / max_seq_len
+· V. The biases and the mask are the same for every head, and cost more per pair than the
+products: two heads a program compute them once for both. The grid is sized by max_seq_len, so no length
 is read on the host; programs past their sequence's end return at once.
 Backward, two kernels that recompute the scores: one per key block (dK, dV), one per query
 block (dQ and the biases' gradients, added by atomic adds into copies of float32 tables
@@ -65,27 +67,40 @@ def _sigmoid(x, scale, SIXTEEN_BIT: tl.constexpr):
 
 
 @triton.jit
-def _biased_scores(
-    q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+def _biases(
+    rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
     TWO_BUCKETS: tl.constexpr,
 ):
-    """(float32 scores q · kᵀ plus both biases, each pair's position index, its time
-    bucket) of query rows `rows` against key rows `cols` of one sequence; t_rows, t_cols:
-    their float64 timestamp offsets. TWO_BUCKETS, a tile whose gaps span two buckets at
-    most (time_buckets._tile_buckets): the time bias is `high` where a pair's gap reaches
+    """(float32 sum of both biases, each pair's position index, its time bucket) of query
+    rows `rows` against key rows `cols` of one sequence; t_rows, t_cols: their float64
+    timestamp offsets. TWO_BUCKETS, a tile whose gaps span two buckets at most
+    (time_buckets._tile_buckets): the time bias is `high` where a pair's gap reaches
     `threshold`, else `low`, and the third value says which."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32")
     # j - i + max_seq_len - 1, with rows and columns (past a sequence's end too) kept below
     # max_seq_len so that it stays inside the table: an add per pair
     rel = tl.minimum(cols, max_seq_len - 1)[None, :] + (max_seq_len - 1 - tl.minimum(rows, max_seq_len - 1))[:, None]
     gap = tl.abs(t_rows[:, None] - t_cols[None, :])
     if TWO_BUCKETS:
         bucket = gap >= threshold
-        s += tl.load(position_ptr + rel).to(tl.float32) + tl.where(bucket, high, low)
+        bias = tl.load(position_ptr + rel).to(tl.float32) + tl.where(bucket, high, low)
     else:
         bucket = _gap_bucket(gap, edges_ptr, num_buckets)
-        s += tl.load(position_ptr + rel).to(tl.float32) + tl.load(time_ptr + bucket).to(tl.float32)
-    return s, rel, bucket
+        bias = tl.load(position_ptr + rel).to(tl.float32) + tl.load(time_ptr + bucket).to(tl.float32)
+    return bias, rel, bucket
+
+
+@triton.jit
+def _biased_scores(
+    q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+    TWO_BUCKETS: tl.constexpr,
+):
+    """(float32 scores q · kᵀ plus both biases, each pair's position index, its time
+    bucket): _biases with the product."""
+    bias, rel, bucket = _biases(
+        rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+        TWO_BUCKETS,
+    )
+    return tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + bias, rel, bucket
 
 
 @triton.jit
@@ -122,6 +137,14 @@ def _head_rows(ptr, start, idx, live, heads, h, WIDTH: tl.constexpr, BLOCK_D: tl
 
 
 @triton.jit
+def _load_head_rows(ptr, start, idx, live, heads, h, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows start + idx of head h of a (total, heads, WIDTH) tensor, zeros where not live
+    and past WIDTH."""
+    at, mask = _head_rows(ptr, start, idx, live, heads, h, WIDTH, BLOCK_D)
+    return tl.load(at, mask=mask, other=0)
+
+
+@triton.jit
 def _row_block(
     a_ptr, b_ptr, timestamps_ptr, start, t0, first, n, heads, h, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -140,12 +163,15 @@ def _row_block(
 
 
 @triton.jit
-def _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK: tl.constexpr, HAS_TARGETS: tl.constexpr):
-    """(this program's first row, head, sequence, its sequence's start, length, history end
-    and first timestamp)."""
-    b = tl.program_id(1) // heads
+def _program_block(
+    offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK: tl.constexpr, HAS_TARGETS: tl.constexpr, GROUP: tl.constexpr = 1,
+):
+    """(this program's first row, (first) head, sequence, its sequence's start, length,
+    history end and first timestamp); a program takes GROUP consecutive heads."""
+    groups = heads // GROUP
+    b = tl.program_id(1) // groups
     start, n, history_end, t0 = _sequence(offsets_ptr, targets_ptr, timestamps_ptr, b, HAS_TARGETS)
-    return tl.program_id(0) * BLOCK, tl.program_id(1) % heads, b, start, n, history_end, t0
+    return tl.program_id(0) * BLOCK, tl.program_id(1) % groups * GROUP, b, start, n, history_end, t0
 
 
 @triton.jit
@@ -196,31 +222,52 @@ def _query_ranges(n0, n, history_end, context_len, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _forward_tile(
-    acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    cols, _, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
-    s, _, _ = _biased_scores(
-        q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
-        TWO_BUCKETS,
-    )
+def _attend(acc, q, k, v, bias, allowed, scale, MASKED: tl.constexpr):
+    """acc plus one head's tile: SiLU(q · kᵀ + bias) · scale (where allowed) · v."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + bias
     a = s * _sigmoid(s, scale, v.dtype != tl.float32)
     if MASKED:
-        a = tl.where(_allowed(rows, cols, n, history_end, context_len), a, 0.0)
+        a = tl.where(allowed, a, 0.0)
     return acc + tl.dot(a.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else "tf32")
+
+
+@triton.jit
+def _forward_tile(
+    acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
+    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, PAIR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """The tile of key rows n0 .. n0 + BLOCK_N - 1 added into head h's acc, and (PAIR) head
+    h + 1's acc2: the biases and the mask are the heads' own, computed once for both."""
+    cols, col_live, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+    bias, _, _ = _biases(
+        rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+        TWO_BUCKETS,
+    )
+    allowed = None
+    if MASKED:
+        allowed = _allowed(rows, cols, n, history_end, context_len)
+    acc = _attend(acc, q, k, v, bias, allowed, scale, MASKED)
+    if PAIR:
+        k2 = _load_head_rows(k_ptr, start, cols, col_live, heads, h + 1, DQK, BLOCK_DQK)
+        v2 = _load_head_rows(v_ptr, start, cols, col_live, heads, h + 1, DV, BLOCK_DV)
+        acc2 = _attend(acc2, q2, k2, v2, bias, allowed, scale, MASKED)
+    return acc, acc2
 
 
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
     thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, PAIR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    m0, h, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS)
+    """The output of a block of query rows of one head, or (PAIR) of two consecutive heads,
+    which share the tiles' biases and masks."""
+    m0, h, b, start, n, history_end, t0 = _program_block(
+        offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS, 2 if PAIR else 1,
+    )
     if m0 >= n:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -229,6 +276,12 @@ def _forward_kernel(
     q = tl.load(q_at, mask=q_mask, other=0)
     t_rows = (tl.load(timestamps_ptr + start + rows, mask=row_live, other=t0) - t0).to(tl.float64)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if PAIR:
+        q2 = _load_head_rows(q_ptr, start, rows, row_live, heads, h + 1, DQK, BLOCK_DQK)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    else:  # (unused)
+        q2 = q
+        acc2 = tl.zeros([1, 1], dtype=tl.float32)
     full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
     # the unmasked key blocks from the first: those whose tiles span two buckets at most, then the rest
     split, lo, hi, entry = _two_bucket_run(
@@ -240,25 +293,28 @@ def _forward_kernel(
         for n0 in range(0, split, BLOCK_N):
             _, threshold, low, high = _tile_buckets(k_lo, k_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets)
             k_lo, k_hi = _tile_extremes(ext_ptr, entry, tl.minimum(n0 + BLOCK_N, split - BLOCK_N), BLOCK_N)
-            acc = _forward_tile(
-                acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
-                time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-                False, True, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            acc, acc2 = _forward_tile(
+                acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+                position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
+                False, True, PAIR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             )
     for n0 in range(split, full, BLOCK_N):
-        acc = _forward_tile(
-            acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
-            time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            False, False, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        acc, acc2 = _forward_tile(
+            acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
+            False, False, PAIR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     for n0 in range(full, end, BLOCK_N):
-        acc = _forward_tile(
-            acc, q, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h, position_ptr,
-            time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            True, False, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        acc, acc2 = _forward_tile(
+            acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
+            True, False, PAIR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     out_at, out_mask = _head_rows(out_ptr, start, rows, row_live, heads, h, DV, BLOCK_DV)
     tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if PAIR:
+        out2_at = _head_rows(out_ptr, start, rows, row_live, heads, h + 1, DV, BLOCK_DV)[0]
+        tl.store(out2_at, acc2.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -444,7 +500,7 @@ def _backward_q_kernel(
     tl.store(dq_at, dq_acc.to(dq_ptr.dtype.element_ty), mask=dq_mask)
 
 
-_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
+_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["PAIR"]))
 _backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
 # (adds into the biases' gradients: zeroed before each trial)
 _backward_q = TunedLaunches(autotuned(
@@ -502,9 +558,10 @@ def hstu_attention(
     out = v.new_empty(v.shape)
     if out.numel() and programs:
         length_class = next_power_of_2(max_seq_len)
-        constants = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), **dims)
+        pair = heads % 2 == 0  # two heads a program, which share the per-pair bias work
+        constants = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), PAIR=pair, **dims)
         _forward(
-            _grid("BLOCK_M", programs, max_seq_len),
+            _grid("BLOCK_M", programs // 2 if pair else programs, max_seq_len),
             (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
              *_time_tables(time_bias, offsets, timestamps, max_seq_len), heads, max_seq_len, time_bias.numel() - 1,
              context_len, 1.0 / max_seq_len, length_class),
