@@ -401,10 +401,7 @@ class TableGroup:
         p, self._pending = self._pending, None
         if p is None:
             return
-        grow = [
-            self.members[i].table for i, (no_slot, size) in zip(p.growing, self._read_checks(p.checks))
-            if no_slot or size > self.members[i].table.max_load_factor * self.members[i].table.capacity
-        ]
+        grow = self._must_grow(p.growing, self._read_checks(p.checks))
         if not grow:
             return
         for t in grow:
@@ -420,15 +417,24 @@ class TableGroup:
         self._rows(r, slots, counted=None)
         r.placements = self._placements()
 
+    def _must_grow(self, growing: list[int], checks: list) -> list:
+        """The tables of the growing members that must grow, by their checks (ids without a
+        slot, size): an id found its bucket full, or the table passed its load factor (as
+        a table alone grows)."""
+        return [
+            self.members[i].table for i, (no_slot, size) in zip(growing, checks)
+            if no_slot or size > self.members[i].table.max_load_factor * self.members[i].table.capacity
+        ]
+
     def _claim_growing(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], barred: torch.Tensor | None):
         """The claim again after growing, growing and claiming again until every id that
-        may be inserted has a slot (each check waits for the GPU)."""
+        may be inserted has a slot and every table keeps its load factor (each check waits
+        for the GPU)."""
         slots, inserted = self._find_or_insert(r, scored, barred)
         growing = self._growing()
         if not growing:
             return slots, inserted
-        checks = self._read_checks(self._growth_checks(r, slots, growing))
-        grow = [self.members[i].table for i, (no_slot, _) in zip(growing, checks) if no_slot]
+        grow = self._must_grow(growing, self._read_checks(self._growth_checks(r, slots, growing)))
         if not grow:
             return slots, inserted
         for t in grow:
