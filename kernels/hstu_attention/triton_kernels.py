@@ -6,8 +6,9 @@ consecutive heads, where the head count is even) steps through the key blocks it
 attend to, computing the scores in float32 with the two biases looked up from their tables
 inside the kernel (no (L, L) tensor in memory), and accumulates SiLU(scores) / max_seq_len
 · V. The biases and the mask are the same for every head, and cost more per pair than the
-products: two heads a program compute them once for both. The grid is sized by max_seq_len, so no length
-is read on the host; programs past their sequence's end return at once.
+products: two heads a program compute them once for both. The grid is sized by
+max_seq_len, so no length is read on the host; programs past their sequence's end return
+at once.
 Backward, two kernels that recompute the scores: one per key block (dK, dV), one per query
 block (dQ and the biases' gradients, added by atomic adds into copies of float32 tables
 that are summed after the launch).
@@ -154,10 +155,8 @@ def _row_block(
     from t0). A key block's a and b are K and V; a query block's, Q and dO."""
     idx = first + tl.arange(0, BLOCK)
     live = idx < n
-    a_at, a_mask = _head_rows(a_ptr, start, idx, live, heads, h, A_WIDTH, BLOCK_A)
-    b_at, b_mask = _head_rows(b_ptr, start, idx, live, heads, h, B_WIDTH, BLOCK_B)
-    a = tl.load(a_at, mask=a_mask, other=0)
-    b = tl.load(b_at, mask=b_mask, other=0)
+    a = _load_head_rows(a_ptr, start, idx, live, heads, h, A_WIDTH, BLOCK_A)
+    b = _load_head_rows(b_ptr, start, idx, live, heads, h, B_WIDTH, BLOCK_B)
     t = (tl.load(timestamps_ptr + start + idx, mask=live, other=t0) - t0).to(tl.float64)
     return idx, live, a, b, t
 
@@ -272,8 +271,7 @@ def _forward_kernel(
         return
     rows = m0 + tl.arange(0, BLOCK_M)
     row_live = rows < n
-    q_at, q_mask = _head_rows(q_ptr, start, rows, row_live, heads, h, DQK, BLOCK_DQK)
-    q = tl.load(q_at, mask=q_mask, other=0)
+    q = _load_head_rows(q_ptr, start, rows, row_live, heads, h, DQK, BLOCK_DQK)
     t_rows = (tl.load(timestamps_ptr + start + rows, mask=row_live, other=t0) - t0).to(tl.float64)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if PAIR:
