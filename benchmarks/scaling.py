@@ -28,6 +28,11 @@ with every collective (the embedding's all-to-alls, DDP's all-reduce through a c
 made blocking and timed alone; the share is their time over that step's. It counts what a
 collective costs the step when nothing overlaps it: an upper bound where DDP overlaps.
 Prints a table and writes JSON to benchmarks/results/scaling_<device>.json.
+
+Each HSTU row also holds every rank's own view of the plain pass (`ranks`): its slowest
+and median step as its host saw them, and what it compiled during the pass (torch.compile
+frames, Triton kernels by their specialization). One rank's stall, a kernel compiled
+mid-run, is every rank's at the next collective: the step times alone do not say whose.
 """
 import argparse
 import contextlib
@@ -197,7 +202,8 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
         one's kernels, as in training, so the timed batches' lengths stay on the device."""
 
         def __init__(self):
-            self.bounds, self.lengths = [], []
+            self.bounds, self.lengths, self.starts, self.compiled = [], [], [], []
+            self.triton = TritonCompiles()
             self.profiler = profiled(args.profile and int(os.environ["RANK"]) == 0, device, f"{args.preset}, {world} processes", args.trace)
 
         def _mark(self, trainer):
@@ -207,10 +213,14 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
             self.bounds.append(time.perf_counter())
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if args.warmup <= trainer.global_step <= args.warmup + args.steps:  # the plain pass's steps, and its end
+                self.starts.append(time.perf_counter())
+                self.compiled.append(frames_compiled())
             if trainer.global_step == args.warmup:
                 self.profiler.__enter__()
             if trainer.global_step in (args.warmup, args.warmup + args.steps):
                 self._mark(trainer)
+                self.triton.on = trainer.global_step == args.warmup
                 timer.on, timer.seconds = trainer.global_step > args.warmup, 0.0
             if trainer.global_step == args.warmup + args.steps:
                 self.profiler.__exit__(None, None, None)
@@ -234,20 +244,61 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     trainer.fit(module, datamodule=data)
     plain_s, instrumented_s = passes.bounds[1] - passes.bounds[0], passes.bounds[2] - passes.bounds[1]
     lengths = [x.cpu().numpy() for x in passes.lengths]
+    # each rank's own view of the plain pass: a rank that stalls (compiling, tuning) makes
+    # the others wait in the next collective, which the step time alone does not say
+    host_ms = [1000 * (b - a) for a, b in zip(passes.starts, passes.starts[1:])]
+    mine = {"rank": int(os.environ["RANK"]), "slowest_step_ms": max(host_ms, default=0.0),
+            "median_step_ms": sorted(host_ms)[len(host_ms) // 2] if host_ms else 0.0,
+            "frames_compiled": frames_compiled(), "frames_compiled_in_plain_pass": passes.compiled[-1] - passes.compiled[0],
+            "triton_compiles_in_plain_pass": passes.triton.kernels}
+    ranks = [None] * world
+    if world > 1:
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
     flops = sum(step_flops(config, x, negatives) for x in lengths)
     return {
         "workload": "hstu", "preset": args.preset, "batch_per_gpu": per_gpu, "max_seq_len": config.max_seq_len,
         "cuda_graph_buckets": config.cuda_graph_buckets if device == "cuda" else 0, "balanced_batches": config.balanced_batches,
-        "compile_blocks": config.compile_blocks,
+        "compile_blocks": config.compile_blocks, "inductor_cache_per_rank": bool(args.inductor_cache),
         "ms_per_step": 1000 * plain_s / args.steps, "samples_per_s_per_gpu": sum(len(x) for x in lengths) / plain_s,
-        "tflops_per_gpu": flops / plain_s / 1e12, **comm(timer, instrumented_s, args.steps, world),
+        "tflops_per_gpu": flops / plain_s / 1e12, **comm(timer, instrumented_s, args.steps, world), "ranks": ranks,
     }
+
+
+class TritonCompiles:
+    """The @triton.jit kernels this process compiles (or loads from Triton's disk cache)
+    while `on`: a kernel compiled mid-training (a new specialization of its arguments)
+    stalls its rank for as long, and under several processes every rank with it."""
+
+    def __init__(self):
+        from triton import knobs
+
+        self.on, self.kernels = False, []
+        chained = knobs.runtime.jit_post_compile_hook
+
+        def hook(*, repr: str, fn, **kwargs):
+            if self.on:
+                self.kernels.append(repr)
+            return chained(repr=repr, fn=fn, **kwargs) if chained else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+
+
+def frames_compiled() -> int:
+    """Frames torch.compile has compiled in this process so far (first compilations and
+    recompilations)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
 
 
 def worker(args) -> None:
     device = args.device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if args.inductor_cache:  # read by Inductor when it first compiles, after this
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(args.inductor_cache) / f"rank{os.environ['RANK']}")
     if args.workload == "embedding":  # Lightning makes its own process group for hstu
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
         timer = CommTimer(device)
@@ -322,6 +373,8 @@ def main(argv=None) -> None:
     p.add_argument("--unbalanced", action="store_true", help="HSTU: the ranks' shares of a batch drawn at random, not split by cost")
     p.add_argument("--profile", action="store_true", help="print rank 0's top operations in each run's plain pass (which then runs slower)")
     p.add_argument("--trace", help="with --profile: a folder for rank 0's Chrome trace of each run's plain pass")
+    p.add_argument("--inductor-cache", metavar="DIR",
+                   help="with --compile-blocks: each rank compiles into DIR/rank<R> (TORCHINDUCTOR_CACHE_DIR), not a cache all share")
     p.add_argument("--out")
     # worker mode (torchrun runs this file again with these)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -347,6 +400,7 @@ def main(argv=None) -> None:
     common += ["--profile"] if args.profile else []
     common += ["--trace", str(Path(args.trace).resolve())] if args.trace else []
     common += ["--unbalanced"] if args.unbalanced else []
+    common += ["--inductor-cache", str(Path(args.inductor_cache).resolve())] if args.inductor_cache else []
     runs = ["embedding"] if "embedding" in args.workloads else []
     runs += args.presets if "hstu" in args.workloads else []
     rows = []

@@ -20,6 +20,13 @@ def test_scaling_runs_both_workloads_on_one_and_two_processes(tmp_path):
     hstu = [r for r in rows if r["workload"] == "hstu"]
     assert hstu[1]["comm_share"] > 0 and hstu[0]["tflops_per_gpu"] > 0  # DDP's all-reduce, timed through its comm hook
     assert hstu[1]["balanced_batches"]  # the ranks' shares split by cost, the training default
+    # every rank's own view of the plain pass: its steps as its host saw them, nothing
+    # compiled during it (the interpreter compiles no Triton kernel; no torch.compile here)
+    for r in hstu:
+        assert [v["rank"] for v in r["ranks"]] == list(range(r["procs"]))
+        for v in r["ranks"]:
+            assert 0 < v["median_step_ms"] <= v["slowest_step_ms"]
+            assert v["frames_compiled_in_plain_pass"] == 0 and v["triton_compiles_in_plain_pass"] == []
 
 
 def test_a_failed_run_is_reported_as_such(tmp_path):
