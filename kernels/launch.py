@@ -93,6 +93,20 @@ def cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
+# Triton specializes a pointer argument on its 16-byte alignment: the same kernel handed a
+# pointer that is not compiles again, mid-run (seconds for the larger kernels, the first
+# time a call brings the other alignment). Buffers views of one allocation start here.
+ALIGN_BYTES = 16
+
+
+def aligned_empty(count: int, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """count uninitialized (n,) tensors from one allocation (one allocation costs the host
+    less than count), each starting ALIGN_BYTES-aligned whatever n is: rows of a
+    (count, n rounded up) tensor."""
+    per = max(1, ALIGN_BYTES // dtype.itemsize)
+    return torch.empty(count, cdiv(n, per) * per, dtype=dtype, device=device)[:, :n].unbind()
+
+
 def next_power_of_2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1), as Triton's, on the host."""
     return 1 << max(n - 1, 0).bit_length()

@@ -9,6 +9,8 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from kernels.launch import ALIGN_BYTES
+
 from .balanced_sampler import BalancedDistributedSampler
 from .hstu import valid_mask
 
@@ -88,8 +90,19 @@ def jagged_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torc
     }
 
 
+# Each array of a PackedBatch starts at a multiple of this many int64 elements, so that its
+# view's alignment does not change with the sizes of the arrays before it (a kernel reading
+# it would compile again at whichever step first brought the other: kernels.launch.ALIGN_BYTES).
+PACK_ALIGN = ALIGN_BYTES // np.dtype(np.int64).itemsize
+
+
+def _aligned(size: int) -> int:
+    return -(-size // PACK_ALIGN) * PACK_ALIGN
+
+
 class PackedBatch:
-    """jagged_batch's arrays as one int64 array, with their names and sizes. A data loader's
+    """jagged_batch's arrays as one int64 array, with their names and sizes, each array
+    starting at a multiple of PACK_ALIGN elements (zeros between). A data loader's
     worker hands it to the main process as pickled bytes: a tensor would go as a shared
     memory file descriptor, passed over a connection the main process opens to the worker
     for each batch, which costs the main process more than the batch's whole collation.
@@ -113,13 +126,19 @@ class PackedBatch:
     def unpacked(self) -> dict[str, torch.Tensor]:
         """The jagged batch (views of the packed tensor, wherever it lies)."""
         names, sizes = zip(*self.layout)
-        return dict(zip(names, self._tensor().split(list(sizes))))
+        parts = self._tensor().split([_aligned(n) for n in sizes])
+        return {name: part[:n] for name, part, n in zip(names, parts, sizes)}
 
 
 def packed_jagged_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> PackedBatch:
     """jagged_batch of samples as a PackedBatch."""
     batch = jagged_batch(samples)
-    return PackedBatch(np.concatenate([t.numpy().reshape(-1) for t in batch.values()]), tuple((k, t.numel()) for k, t in batch.items()))
+    values = np.zeros(sum(_aligned(t.numel()) for t in batch.values()), dtype=np.int64)
+    start = 0
+    for t in batch.values():
+        values[start : start + t.numel()] = t.numpy().reshape(-1)
+        start += _aligned(t.numel())
+    return PackedBatch(values, tuple((k, t.numel()) for k, t in batch.items()))
 
 
 def unpacked(batch) -> dict[str, torch.Tensor]:

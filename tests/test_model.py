@@ -73,6 +73,10 @@ def test_the_loader_packs_each_batch_into_one_array_and_unpacking_gives_the_jagg
         samples = [(got["item_ids"][s:e].numpy(), got["timestamps"][s:e].numpy()) for s, e in zip(bounds, bounds[1:])]
         want = jagged_batch(samples)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        # every array 16-byte aligned, as Triton's kernels are compiled for its pointers,
+        # whatever the sizes of the arrays before it
+        base = got["item_ids"].data_ptr()
+        assert base % 16 == 0 and all((got[k].data_ptr() - base) % 16 == 0 for k in got)
         seen += [(tuple(i), tuple(t)) for i, t in samples]
     assert sorted(seen) == sorted((tuple(i), tuple(t)) for i, t in (data.train[j] for j in range(len(data.train))))
     assert unpacked(want) is want  # a batch that is not packed passes as it is

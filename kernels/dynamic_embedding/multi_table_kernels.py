@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import cdiv, launch, next_power_of_2
+from ..launch import aligned_empty, cdiv, launch, next_power_of_2
 from .claim_kernels import resident_grid
 from .triton_optimizers import _load_rows, _step_rows, optimizer_args
 from .counters import K_ADMISSION_REJECTIONS, K_ADMISSIONS, K_HITS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
@@ -325,7 +325,7 @@ def _segment_rows_kernel(
                         tl.atomic_add(counts_ptr + table * K_NUM_COUNTED + K_REJECTIONS, (lookups - hits) * tl.load(inserting_ptr + table), sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _gate_kernel(tid_ptr, counted_ptr, uses_ptr, count_ptr, n, admits_ptr, threshold_ptr, seen_ptr, barred_ptr, BLOCK: tl.constexpr):
     """Before a claim, for a block of segments (n entries, the first count_ptr[0] used):
     seen[s], the id's count (counted: its counter row's score, plus uses: its copies in
@@ -342,7 +342,7 @@ def _gate_kernel(tid_ptr, counted_ptr, uses_ptr, count_ptr, n, admits_ptr, thres
     tl.store(barred_ptr + s, barred.to(tl.int8), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _admit_kernel(
     key_ptr, tid_ptr, slot_ptr, inserted_ptr, found_ptr, seen_ptr, count_ptr, n, admits_ptr, threshold_ptr, cdesc_ptr,
     counts_ptr, claim_key_ptr, tables, BLOCK: tl.constexpr,
@@ -405,13 +405,13 @@ def number_segments(keys: torch.Tensor, tids: torch.Tensor):
     size = next_power_of_2(2 * n)  # the map at most half full
     scratch = torch.zeros(size + 2, dtype=torch.int32, device=keys.device)
     count, rowless = scratch[size : size + 1], scratch[size + 1 : size + 2]
-    number, first = torch.empty(2, n, dtype=torch.int32, device=keys.device).unbind()
+    number, first = aligned_empty(2, n, torch.int32, keys.device)
     launch(
         _distinct_kernel, (cdiv(n, DISTINCT_BLOCK),),
         keys, tids, n, scratch, size - 1, number, first, BLOCK=DISTINCT_BLOCK, num_warps=DISTINCT_WARPS,
     )
     ranks = torch.cumsum(first, 0, dtype=torch.int32)  # int32 as counted: no conversion pass
-    seg_keys, seg_tids, rows = torch.empty(3, n, dtype=torch.int64, device=keys.device).unbind()
+    seg_keys, seg_tids, rows = aligned_empty(3, n, torch.int64, keys.device)
     launch(_number_kernel, (cdiv(n, SCAN_BLOCK),), number, ranks, keys, tids, n, seg_keys, seg_tids, count, BLOCK=SCAN_BLOCK)
     return number, count, seg_keys, seg_tids, rows, rowless
 

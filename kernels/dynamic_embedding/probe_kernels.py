@@ -210,7 +210,7 @@ def _lane_rows(
             tl.store(buf_row + cols[None, :], tl.load(row_ptr[:, None] + cols[None, :], mask=m, cache_modifier=CACHE), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n changes from call to call (multi_table_kernels.py)
 def _find_kernel(
     query_ptr, tid_ptr, n, count_ptr, desc_ptr, slot_ptr, out_ptr, out_dim, row_stride, score_ptr,
     BUCKET: tl.constexpr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, GATHER: tl.constexpr,

@@ -14,7 +14,7 @@ from .claim_kernels import PLACE_BLOCK
 from .probe_kernels import FIND_BLOCK, FIND_WARPS, K_ABOVE_ALL, K_EMPTY_KEY, _digest, _grid, _hash
 
 
-@triton.jit(do_not_specialize=["call"])
+@triton.jit(do_not_specialize=["call", "n"])
 def _choose_slots_kernel(
     bucket_ptr, rank_ptr, new_score_ptr, n, table_keys_ptr, digests_ptr, scores_ptr, marks_ptr, call,
     slot_ptr, victim_key_ptr, victim_score_ptr, victim_flag_ptr,
@@ -64,7 +64,7 @@ def _choose_slots_kernel(
         tl.store(victim_flag_ptr + offs, ok.to(tl.int8), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n changes from call to call (multi_table_kernels.py)
 def _write_slots_kernel(slot_ptr, key_ptr, score_ptr, n, table_keys_ptr, scores_ptr, digests_ptr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slot_ptr + offs, mask=offs < n, other=-1)
@@ -110,7 +110,7 @@ def _export_kernel(
         tl.store(out_values_ptr + dest[:, None] * row_dim + cols[None, :], row, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n changes from call to call (multi_table_kernels.py)
 def _release_slots_kernel(slot_ptr, n, keys_ptr, scores_ptr, digests_ptr, BLOCK: tl.constexpr):
     """Empties the slots given (those >= 0): key, score and digest."""
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -121,7 +121,7 @@ def _release_slots_kernel(slot_ptr, n, keys_ptr, scores_ptr, digests_ptr, BLOCK:
     tl.store(digests_ptr + slot, tl.zeros([BLOCK], tl.uint8), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n changes from call to call (multi_table_kernels.py)
 def _copy_rows_kernel(
     src_ptr, src_slot_ptr, src_stride, dst_ptr, dst_slot_ptr, dst_stride, n, width, marks_ptr,
     SRC_SLOTS: tl.constexpr, DST_SLOTS: tl.constexpr, WHOLE: tl.constexpr, ELECT: tl.constexpr, BLOCK: tl.constexpr,
@@ -152,7 +152,7 @@ def _copy_rows_kernel(
         tl.store(dst_ptr + dst[:, None] * dst_stride + cols[None, :], row, mask=live[:, None] & (cols[None, :] < end))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n changes from call to call (multi_table_kernels.py)
 def _gather_victims_kernel(
     evicted_ptr, slot_ptr, victim_key_ptr, victim_score_ptr, values_ptr, row_stride, n, row_dim,
     out_key_ptr, out_score_ptr, out_row_ptr, count_ptr, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,

@@ -79,7 +79,7 @@ def _step_rows(
     tl.store(base + cols[None, :], w, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n changes from call to call (multi_table_kernels.py)
 def _update_kernel(
     values_ptr, slot_ptr, grad_ptr, n, dim, row_stride, lr, beta1, beta2, eps, weight_decay, max_norm,
     OPT: tl.constexpr, CLIP: tl.constexpr, BLOCK: tl.constexpr, DIM: tl.constexpr,

@@ -19,7 +19,7 @@ def _block_cols(dim: int) -> int:
     return min(MAX_BLOCK_COLS, next_power_of_2(max(dim, 1)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # a batch's sequences, which change from batch to batch
 def _lengths_to_offsets_kernel(lengths_ptr, offsets_ptr, n, BLOCK: tl.constexpr):
     """offsets[0] = 0, offsets[i + 1] = lengths[0] + ... + lengths[i]; one program."""
     tl.store(offsets_ptr, tl.zeros([], dtype=tl.int64))
@@ -31,7 +31,7 @@ def _lengths_to_offsets_kernel(lengths_ptr, offsets_ptr, n, BLOCK: tl.constexpr)
         carry += tl.sum(lengths, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_len"])  # a batch's longest length, which changes from batch to batch
 def _padded_kernel(
     values_ptr, offsets_ptr, padded_ptr, max_len, dim, padding_value,
     TO_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
