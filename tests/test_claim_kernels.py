@@ -17,6 +17,7 @@ from kernels.dynamic_embedding.counters import NUM_COUNTED
 from kernels.dynamic_embedding.hashing import EMPTY_KEY, bucket_of
 from kernels.dynamic_embedding.probe_kernels import EVICT, GROW, KEEP, READ_ONLY, TableStack
 from kernels.dynamic_embedding.triton_table import TritonHashTable
+from kernels.launch import ALIGN_BYTES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BUCKET, BUCKETS, DIM = 8, 8, 4
@@ -140,6 +141,19 @@ def test_an_uncontended_claim_equals_its_twin(mode, tables):
         assert bool(evicted.any())  # the case reaches the second phase
     if mode == GROW:
         assert bool((slots == -2).any())
+
+
+@pytest.mark.parametrize("n", [117, 122])
+def test_every_output_starts_aligned_whatever_the_count(n):
+    """The outputs share one allocation; each starts 16-byte aligned (a kernel handed a
+    view that is not compiles again mid-run), and they hold what the twin's do."""
+    pair = stacks(7, 1, EVICT)
+    keys, tids = uncontended_lanes(3, pair[0], n)
+    scores = key_scores(keys, tids, torch.Generator().manual_seed(1))
+    got, want = (fn(stack, keys, scores, BUCKET) for fn, stack in zip(CLAIMS, pair))
+    assert all(x.data_ptr() % ALIGN_BYTES == 0 for x in got)
+    assert torch.equal(got[0], want[0]) and per_key(keys, tids, got[1]) == per_key(keys, tids, want[1])
+    assert per_key(keys, tids, got[2]) == per_key(keys, tids, want[2]) and victims_of(keys, tids, got) == victims_of(keys, tids, want)
 
 
 def test_per_table_scores_and_a_device_count():

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import cdiv, launch_each, multiprocessors, next_power_of_2, prepare
+from ..launch import ALIGN_BYTES, cdiv, launch_each, multiprocessors, next_power_of_2, prepare
 from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_NUM_COUNTED
 from .probe_kernels import (
     _DIGESTS, _HEADS, _KEYS, _MARKS, _MODE, _SCORES, _VALUES, _WAITS, K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN, TableStack,
@@ -23,6 +23,8 @@ from .probe_kernels import (
 
 # what the claim does with rows of a buffer (_claim_kernel's ROWS; 0: nothing)
 FETCH, ASSIGN = tl.constexpr(1), tl.constexpr(2)
+_ALIGN_BYTES = tl.constexpr(ALIGN_BYTES)  # the outputs' alignment in out (_output_strides)
+_ALIGN_WORDS = tl.constexpr(ALIGN_BYTES // 8)
 
 
 @triton.jit
@@ -262,15 +264,17 @@ def _claim_kernel(
     and gathers each chunk's list heads, LISTS at a time (a step costs one chain of trips
     to memory however few of its lanes lead). HISTORY and ROW_TILE: see _evict_lists.
     Outputs, all in out (int64, one allocation: the host's time to make tensors before
-    the first launch is time the device waits): the slots (n); with VICTIMS the evicted
-    keys and their scores (2, n); then flags (2, n) int8, whether each key was inserted
-    and whether it evicted (phase 0 writes both for every key, so nothing needs zeroing).
+    the first launch is time the device waits), each starting ALIGN_BYTES-aligned
+    (_output_strides): the slots (n); with VICTIMS the evicted keys and their scores;
+    then flags, int8, whether each key was inserted and whether it evicted (phase 0
+    writes both for every key, so nothing needs zeroing).
     Without VICTIMS neither victims nor the evicted flags are written. Phase 0 stores
     `call` in the first table's WAITS word if any key waits; phase 1 does nothing
     otherwise (a fresh call id needs no reset between calls)."""
-    slot_ptr, victim_key_ptr, victim_score_ptr = out_ptr, out_ptr + n, out_ptr + 2 * n
-    inserted_ptr = (out_ptr + (3 * n if VICTIMS else n)).to(tl.pointer_type(tl.int8))
-    evicted_ptr = inserted_ptr + n
+    words = tl.cdiv(n, _ALIGN_WORDS) * _ALIGN_WORDS  # as _output_strides
+    slot_ptr, victim_key_ptr, victim_score_ptr = out_ptr, out_ptr + words, out_ptr + 2 * words
+    inserted_ptr = (out_ptr + (3 * words if VICTIMS else words)).to(tl.pointer_type(tl.int8))
+    evicted_ptr = inserted_ptr + tl.cdiv(n, _ALIGN_BYTES) * _ALIGN_BYTES
     waits_ptr = _field(desc_ptr, 0, _WAITS).to(tl.pointer_type(tl.int64))
     values_base = buf_ptr
     if ROWS != 0:  # one table
@@ -409,8 +413,9 @@ def claim(
     drops the victims (evicted, victim_keys and victim_scores come back None). Twin:
     claim_reference.claim_reference."""
     n = keys.numel()
-    flag_words = cdiv(2 * n, 8)
-    out = keys.new_empty((3 * n if victims else n) + flag_words)  # (int64, as keys)
+    words, flag_bytes = _output_strides(n)
+    flag_words = 2 * flag_bytes // 8
+    out = keys.new_empty((3 * words if victims else words) + flag_words)  # (int64, as keys)
     if n:
         if count is None:
             first, second = _grid(n, PLACE_BLOCK), _grid(n, EVICT_BLOCK * EVICT_SPAN)
@@ -432,11 +437,18 @@ def claim(
             barred is not None, 0 if rows is None else (ASSIGN if assign else FETCH).value, d, victims,
         )
         launch_each(args, ((first, phase0), (second, phase1)))
-    slots, flags = out[:n], out[out.numel() - flag_words :].view(torch.int8)[: 2 * n].view(2, n)
+    slots, flags = out[:n], out[out.numel() - flag_words :].view(torch.int8).view(2, flag_bytes)[:, :n]
     inserted, evicted = flags.view(torch.bool).unbind(0)
     if not victims:
         return slots, inserted, None, None, None
-    return slots, inserted, evicted, out[n : 2 * n], out[2 * n : 3 * n]
+    return slots, inserted, evicted, out[words : words + n], out[2 * words : 2 * words + n]
+
+
+def _output_strides(n: int) -> tuple[int, int]:
+    """Where the claim's outputs of n keys lie in its one int64 allocation: (int64 words
+    per output of keys, bytes per flag row), so that each output starts ALIGN_BYTES-aligned
+    whatever n is (a kernel handed a view that is not would compile again mid-run)."""
+    return cdiv(n, ALIGN_BYTES // 8) * (ALIGN_BYTES // 8), cdiv(n, ALIGN_BYTES) * ALIGN_BYTES
 
 
 @functools.cache
