@@ -277,12 +277,23 @@ class TritonCompiles:
         self.on, self.kernels = False, []
         chained = knobs.runtime.jit_post_compile_hook
 
-        def hook(*, repr: str, fn, **kwargs):
+        def hook(*, fn, compile: dict, **kwargs):
             if self.on:
-                self.kernels.append(repr)
-            return chained(repr=repr, fn=fn, **kwargs) if chained else None
+                self.kernels.append(self._specialization(fn, compile))
+            return chained(fn=fn, compile=compile, **kwargs) if chained else None
 
         knobs.runtime.jit_post_compile_hook = hook
+
+    @staticmethod
+    def _specialization(fn, compile: dict) -> str:
+        """The kernel's name and the arguments it was specialized on (pointers 16-byte
+        aligned, ints divisible by 16): the ones a second variant differs in."""
+        try:
+            attrs, names = (compile.get("configs") or [{}])[0], fn.jit_function.arg_names
+            special = sorted(names[path[0]] for path, value in attrs.items() if value and path and path[0] < len(names))
+        except (AttributeError, IndexError, TypeError):  # another Triton's layout: the name alone
+            return f"{getattr(fn, 'name', fn)}: ?"
+        return f"{fn.name}: {', '.join(special) or 'nothing'}"
 
 
 def frames_compiled() -> int:
