@@ -215,12 +215,12 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if args.warmup <= trainer.global_step <= args.warmup + args.steps:  # the plain pass's steps, and its end
                 self.starts.append(time.perf_counter())
-                self.compiled.append(frames_compiled())
             if trainer.global_step == args.warmup:
                 self.profiler.__enter__()
             if trainer.global_step in (args.warmup, args.warmup + args.steps):
                 self._mark(trainer)
                 self.triton.on = trainer.global_step == args.warmup
+                self.compiled.append(frames_compiled())  # at the plain pass's start and end
                 timer.on, timer.seconds = trainer.global_step > args.warmup, 0.0
             if trainer.global_step == args.warmup + args.steps:
                 self.profiler.__exit__(None, None, None)

@@ -95,16 +95,23 @@ def cdiv(n: int, d: int) -> int:
 
 # Triton specializes a pointer argument on its 16-byte alignment: the same kernel handed a
 # pointer that is not compiles again, mid-run (seconds for the larger kernels, the first
-# time a call brings the other alignment). Buffers views of one allocation start here.
+# time a call brings the other alignment). Views of one allocation that kernels read each
+# start at a multiple of this (aligned_size).
 ALIGN_BYTES = 16
+
+
+def aligned_size(n: int, itemsize: int) -> int:
+    """n elements of itemsize bytes rounded up to whole ALIGN_BYTES: the room to leave for
+    them so that what follows in the same allocation starts aligned."""
+    per = max(1, ALIGN_BYTES // itemsize)
+    return cdiv(n, per) * per
 
 
 def aligned_empty(count: int, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
     """count uninitialized (n,) tensors from one allocation (one allocation costs the host
     less than count), each starting ALIGN_BYTES-aligned whatever n is: rows of a
-    (count, n rounded up) tensor."""
-    per = max(1, ALIGN_BYTES // dtype.itemsize)
-    return torch.empty(count, cdiv(n, per) * per, dtype=dtype, device=device)[:, :n].unbind()
+    (count, aligned_size(n)) tensor."""
+    return torch.empty(count, aligned_size(n, dtype.itemsize), dtype=dtype, device=device)[:, :n].unbind()
 
 
 def next_power_of_2(n: int) -> int:

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from kernels.launch import ALIGN_BYTES
+from kernels.launch import aligned_size
 
 from .balanced_sampler import BalancedDistributedSampler
 from .hstu import valid_mask
@@ -90,19 +90,17 @@ def jagged_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torc
     }
 
 
-# Each array of a PackedBatch starts at a multiple of this many int64 elements, so that its
-# view's alignment does not change with the sizes of the arrays before it (a kernel reading
-# it would compile again at whichever step first brought the other: kernels.launch.ALIGN_BYTES).
-PACK_ALIGN = ALIGN_BYTES // np.dtype(np.int64).itemsize
-
-
 def _aligned(size: int) -> int:
-    return -(-size // PACK_ALIGN) * PACK_ALIGN
+    """The int64 elements a PackedBatch leaves for an array of `size`: each array then
+    starts 16-byte aligned (kernels.launch.ALIGN_BYTES), so that its view's alignment does not change with the sizes
+    of the arrays before it (a kernel reading it would compile again at whichever step
+    first brought the other)."""
+    return aligned_size(size, np.dtype(np.int64).itemsize)
 
 
 class PackedBatch:
     """jagged_batch's arrays as one int64 array, with their names and sizes, each array
-    starting at a multiple of PACK_ALIGN elements (zeros between). A data loader's
+    starting 16-byte aligned (_aligned; zeros between). A data loader's
     worker hands it to the main process as pickled bytes: a tensor would go as a shared
     memory file descriptor, passed over a connection the main process opens to the worker
     for each batch, which costs the main process more than the batch's whole collation.

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import ALIGN_BYTES, cdiv, launch_each, multiprocessors, next_power_of_2, prepare
+from ..launch import ALIGN_BYTES, aligned_size, cdiv, launch_each, multiprocessors, next_power_of_2, prepare
 from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_NUM_COUNTED
 from .probe_kernels import (
     _DIGESTS, _HEADS, _KEYS, _MARKS, _MODE, _SCORES, _VALUES, _WAITS, K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN, TableStack,
@@ -448,7 +448,7 @@ def _output_strides(n: int) -> tuple[int, int]:
     """Where the claim's outputs of n keys lie in its one int64 allocation: (int64 words
     per output of keys, bytes per flag row), so that each output starts ALIGN_BYTES-aligned
     whatever n is (a kernel handed a view that is not would compile again mid-run)."""
-    return cdiv(n, ALIGN_BYTES // 8) * (ALIGN_BYTES // 8), cdiv(n, ALIGN_BYTES) * ALIGN_BYTES
+    return aligned_size(n, 8), aligned_size(n, 1)
 
 
 @functools.cache
