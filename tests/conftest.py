@@ -12,6 +12,10 @@ import torch.multiprocessing as mp
 # kernel module is imported (Triton reads it when a kernel is defined)
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_patch
+
+    interpreter_patch.install()  # the interpreter without its language scan at every helper call
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

@@ -1,0 +1,57 @@
+"""The interpreter patch of the test suite (interpreter_patch.py): kernels that call jitted
+helpers compute what they did, and the language is patched once per launch, not again at
+every helper call."""
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import interpreter_patch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter only")
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _plus_one(x):
+    return _twice(x) // 2 + 1  # a helper calling a helper
+
+
+@triton.jit
+def _kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < n
+    x = tl.load(x_ptr + cols, mask=live)
+    tl.store(out_ptr + cols, _plus_one(x) + tl.maximum(x, 0), mask=live)
+
+
+@triton.jit
+def _plain_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < n
+    tl.store(out_ptr + cols, tl.load(x_ptr + cols, mask=live) + 1, mask=live)
+
+
+def test_helpers_compute_as_before_and_the_language_is_patched_once_per_launch(monkeypatch):
+    from triton.runtime import interpreter
+
+    assert interpreter_patch.install()  # conftest installed it: installing again keeps it
+    assert getattr(interpreter._patch_lang, "skips_patched", False)
+    scans = []
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a, _scan=interpreter._patch_builtin: (scans.append(a[0]), _scan(*a))[1])
+    x = torch.arange(-20, 20, dtype=torch.int32)
+    out = torch.full_like(x, -999)
+    _plain_kernel[(4,)](x, out, x.numel(), BLOCK=16)
+    one_patch = len(scans)  # the scans of the launch's own patch
+    assert one_patch > 0 and torch.equal(out, x + 1)
+    _kernel[(4,)](x, out, x.numel(), BLOCK=16)  # 4 programs, 3 of them live, each calling helpers
+    assert torch.equal(out, x + 1 + x.clamp(min=0))
+    assert len(scans) == 2 * one_patch  # none per helper call or program
+    # after a launch the language is Triton's own again (the launch's patch restored)
+    assert tl.core.is_builtin(tl.maximum)
