@@ -172,6 +172,7 @@ def run(
         events = profiler.key_averages()
         print(f"\n{preset_name}: the timed steps by {sort}\n" + events.table(sort_by=sort, row_limit=30))
         print(f"{preset_name}: the timed steps by self CPU time\n" + events.table(sort_by="self_cpu_time_total", row_limit=30))
+        print(f"{preset_name}: the timed steps' operations by count\n" + events.table(sort_by="count", row_limit=60))
         launches = {e.key: e.count for e in events if e.key in LAUNCH_CALLS}
         print(f"{preset_name}: launches per timed step: {sum(launches.values()) / timer.steps:.1f} {launches}")
     if host_profiler is not None:
