@@ -34,13 +34,16 @@ DIRECT = hasattr(CompiledKernel, "__getitem__")
 CPU_MULTIPROCESSORS = 4  # what grids sized by multiprocessors take on a CPU (the interpreter)
 
 
+_INT32_MIN, _INT32_MAX, _INT64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
+
+
 def _spec(arg) -> tuple:
-    """What Triton's specialization of a runtime argument other than a tensor can depend on
-    (a superset)."""
+    """What Triton's specialization of a runtime argument other than a tensor or a plain
+    int (_bind's own case) can depend on (a superset)."""
     if isinstance(arg, bool):
         return bool, arg
-    if isinstance(arg, int):
-        return int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
+    if isinstance(arg, int):  # an int subclass
+        return int, arg == 1, arg % 16 == 0, _INT32_MIN <= arg <= _INT32_MAX, arg <= _INT64_MAX
     if isinstance(arg, float):
         return (float,)
     return type(arg), arg
@@ -188,13 +191,16 @@ def _bind(values: tuple, constant: tuple) -> tuple[tuple, list] | None:
     for v, c in zip(values, constant):
         if c:
             spec.append(v)
+        elif type(v) is int:  # the commonest argument after tensors: _spec's test inlined (a call costs more)
+            spec.append((v == 1, v % 16 == 0, _INT32_MIN <= v <= _INT32_MAX, v <= _INT64_MAX))
         elif isinstance(v, torch.Tensor):
-            bound = seen.get(id(v))
+            key = id(v)
+            bound = seen.get(key)
             if bound is None:
                 if not v.is_cuda:
                     return None
                 address = v.data_ptr()
-                bound = seen[id(v)] = ((v.dtype, address % 16 == 0), address)
+                bound = seen[key] = ((v.dtype, address % ALIGN_BYTES == 0), address)
             spec.append(bound[0])
             v = bound[1]
         else:
