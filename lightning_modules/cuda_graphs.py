@@ -12,6 +12,12 @@ batch_size sequences, and the padding rows follow as sequences of their own, non
 than max_seq_len. No real row attends to a padding row, and the padding rows' outputs are
 dropped, so the real rows' outputs and every gradient are those of the unpadded batch.
 
+Where the step's loss is the full-catalog softmax, the loss joins the model in the same
+graphs (`catalog_loss`): its launches and autograd functions cost the host about as much
+as the model's graph replays did (benchmarks/train_throughput.md). The loss of a padded
+batch is that of its real rows (losses.padded_catalog_softmax_loss), whose count the
+graph reads from the padded offsets.
+
 Graphs replace only the training forward and backward with gradients to the input rows;
 evaluation, CPU tensors and batches outside the buckets run the model as it is. Under DDP
 the graphs hold no collective: the graphed backward returns each weight's gradient and
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hstu import HSTU
+from .losses import catalog_softmax_loss, padded_catalog_softmax_loss
 
 
 def pad_jagged(
@@ -58,6 +65,20 @@ class _Captured(nn.Module):
         return self.model(x, timestamps, offsets)
 
 
+class _CapturedLoss(nn.Module):
+    """The model and the full-catalog softmax loss of its outputs, as one bucket's graph
+    sees them: the real rows' count is the padded offsets' entry at batch_slots (pad_jagged
+    keeps the batch's end there)."""
+
+    def __init__(self, model: HSTU, batch_slots: int, temperature: float):
+        super().__init__()
+        self.model, self.batch_slots, self.temperature = model, batch_slots, temperature
+
+    def forward(self, x, timestamps, offsets, item_emb, target_index) -> torch.Tensor:
+        out = self.model(x, timestamps, offsets)
+        return padded_catalog_softmax_loss(out, item_emb, target_index, self.temperature, offsets[self.batch_slots])
+
+
 class GraphedHSTU:
     """Calls `model` as the model itself is called, training forwards and backwards
     replayed from one CUDA graph per row bucket (module docstring). `batch_slots`: the
@@ -71,6 +92,8 @@ class GraphedHSTU:
         step = math.ceil(self.max_rows / buckets)
         self.sizes = sorted({min(k * step, self.max_rows) for k in range(1, buckets + 1)})  # the buckets' rows
         self.graphs: dict[tuple, nn.Module] = {}  # (rows, autocast dtype or None) -> the graphed module
+        # (rows, autocast dtype, items, temperature) -> the graphed model and loss
+        self.loss_graphs: dict[tuple, nn.Module] = {}
         self.pool = None  # one memory pool for every bucket: a step replays one bucket's forward, then its backward
 
     def rows_for(self, rows: int) -> int:
@@ -78,28 +101,62 @@ class GraphedHSTU:
         that holds it."""
         return self.sizes[bisect.bisect_left(self.sizes, rows)]
 
+    def _graphable(self, x: torch.Tensor, offsets: torch.Tensor) -> bool:
+        """Whether a call on this batch replays a graph: a training call on the GPU whose
+        batch fits the largest bucket."""
+        training = self.model.training and torch.is_grad_enabled() and x.is_cuda and x.requires_grad
+        return training and x.shape[0] <= self.max_rows and offsets.numel() - 1 <= self.batch_slots
+
     def __call__(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        P, B = x.shape[0], offsets.numel() - 1
-        graphed = self.model.training and torch.is_grad_enabled() and x.is_cuda and x.requires_grad
-        if not graphed or P > self.max_rows or B > self.batch_slots:
+        if not self._graphable(x, offsets):
             return self.model(x, timestamps, offsets)
-        rows = self.rows_for(P)
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        P, rows, dtype = x.shape[0], self.rows_for(x.shape[0]), _autocast_dtype()
         if (rows, dtype) not in self.graphs:
-            self._capture_all(x, timestamps, offsets, dtype)
+            self._capture_all(self.graphs, lambda rows: (rows, dtype), lambda: _Captured(self.model), x, timestamps, offsets, dtype)
         padded = pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
         return self.graphs[(rows, dtype)](*padded)[:P]
 
-    def _capture_all(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype | None) -> None:
-        """Captures every bucket's forward and backward at once (so that no capture, and no
-        kernel tuning in its warm-up runs, lands in the middle of training), each on a batch
-        of padding rows alone: a graph depends on the batch's shapes, not its values."""
+    def catalog_loss(
+        self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, item_emb: torch.Tensor,
+        target_index: torch.Tensor, temperature: float,
+    ) -> torch.Tensor:
+        """catalog_softmax_loss(model(x, timestamps, offsets), item_emb, target_index,
+        temperature), the model and the loss replayed from one graph per row bucket for a
+        training call (as __call__ replays the model alone)."""
+        if not self._graphable(x, offsets) or not x.shape[0]:
+            return catalog_softmax_loss(self.model(x, timestamps, offsets), item_emb, target_index, temperature)
+        P, rows, dtype = x.shape[0], self.rows_for(x.shape[0]), _autocast_dtype()
+        items = item_emb.shape[0]
+        if (rows, dtype, items, temperature) not in self.loss_graphs:
+            extra = (item_emb.detach().requires_grad_(True), target_index.new_zeros(0))  # (copied per bucket)
+            self._capture_all(self.loss_graphs, lambda rows: (rows, dtype, items, temperature),
+                              lambda: _CapturedLoss(self.model, self.batch_slots, temperature), x, timestamps, offsets, dtype, extra)
+        padded = pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
+        # (padding rows' targets: any item; their queries are zeroed)
+        loss = self.loss_graphs[(rows, dtype, items, temperature)](*padded, item_emb, F.pad(target_index, (0, rows - P)))
+        return loss.clone()  # the graph's output is overwritten by its next replay; a caller may keep the loss longer
+
+    def _capture_all(
+        self, graphs: dict, key, make, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor,
+        dtype: torch.dtype | None, extra: tuple = (),
+    ) -> None:
+        """Captures every bucket's forward and backward of a module make() gives (one per
+        bucket: make_graphed_callables replaces its forward) at once into graphs[key(rows)]
+        (so that no capture, and no kernel tuning in its warm-up runs, lands in the middle
+        of training), each on a batch of padding rows alone: a graph depends on the batch's
+        shapes, not its values. extra: the module's arguments after the batch, copied for
+        each bucket, those with a first dimension of 0 padded to its rows."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         empty = (x[:0].detach(), timestamps[:0], offsets[:1])
         for rows in self.sizes:
             px, pts, poff = pad_jagged(*empty, rows, self.batch_slots, self.model.config.max_seq_len)
-            sample = (px.requires_grad_(True), pts, poff)
+            rest = tuple((F.pad(e, (0, rows)) if e.shape[0] == 0 else e.detach().clone()).requires_grad_(e.requires_grad) for e in extra)
+            sample = (px.requires_grad_(True), pts, poff, *rest)
             # graphs record autocast's casts; they cannot use its cache of cast weights
             with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
-                self.graphs[(rows, dtype)] = torch.cuda.make_graphed_callables(_Captured(self.model), sample, pool=self.pool)
+                graphs[key(rows)] = torch.cuda.make_graphed_callables(make(), sample, pool=self.pool)
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None

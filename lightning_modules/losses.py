@@ -7,6 +7,8 @@ them (kernels.softmax_cross_entropy: blocks of positions on a CPU, one on-chip p
 Triton kernels on a GPU). `sampled_softmax_loss` holds them once, in the products' dtype
 (kernels.sampled_softmax).
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -42,3 +44,20 @@ def catalog_softmax_loss(out: torch.Tensor, item_emb: torch.Tensor, target_index
     F.cross_entropy((out / temperature) @ normalize(item_emb).T, target_index), without
     holding the logits (kernels.softmax_cross_entropy)."""
     return softmax_cross_entropy(out / temperature, F.normalize(item_emb, dim=-1), target_index)
+
+
+def padded_catalog_softmax_loss(
+    out: torch.Tensor, item_emb: torch.Tensor, target_index: torch.Tensor, temperature: float, real_rows: torch.Tensor,
+) -> torch.Tensor:
+    """catalog_softmax_loss of out's first real_rows rows, where out (R, D) and target_index
+    (R,) are a batch padded to R rows (the fixed shapes of a CUDA graph) and real_rows is a
+    () integer tensor on the device (the host reads nothing back). The padding rows' queries
+    are zeroed: every logit of such a row is 0, so its loss is log M (M items) and it passes
+    no gradient (to out, through the zeros, nor to the items, whose gradient is weighted
+    by the query), and the mean over R rows is turned into the mean over the real ones."""
+    rows, items = out.shape[0], item_emb.shape[0]
+    live = torch.arange(rows, device=out.device) < real_rows
+    q = torch.where(live[:, None], out, 0.0) / temperature
+    mean = softmax_cross_entropy(q, F.normalize(item_emb, dim=-1), target_index)
+    real = real_rows.to(mean.dtype)
+    return (mean * rows - (rows - real) * math.log(items)) / real

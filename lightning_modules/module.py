@@ -99,17 +99,24 @@ class HSTULightningModule(L.LightningModule):
         looked = self.items.lookup(all_ids, train=True)  # leaves: gradients land in their .grad
         rows = looked.embeddings
         seq_rows, neg_rows = rows[: ids.numel()], rows[ids.numel() :]
-        dense = self.graphed or self.model
-        out = dense(seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])  # (targets, D)
+        inputs = (seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])
         targets = sources + 1
-        if targets.numel() and negatives is self.catalog:  # the full softmax
+        if targets.numel() and negatives is self.catalog:  # the full softmax, in the model's graphs where it has them
             index = torch.searchsorted(self.catalog, ids[targets])
-            loss = catalog_softmax_loss(out, neg_rows, index, self.config.temperature)
-        elif targets.numel():
+            if self.graphed is not None:
+                loss = self.graphed.catalog_loss(*inputs, neg_rows, index, self.config.temperature)
+            else:
+                loss = catalog_softmax_loss(self.model(*inputs), neg_rows, index, self.config.temperature)
+            return self._step(loss, looked, batch)
+        out = (self.graphed or self.model)(*inputs)  # (targets, D)
+        if targets.numel():
             loss = sampled_softmax_loss(out, seq_rows[targets], ids[targets], neg_rows, negatives, self.config.temperature)
         else:  # no targets here: a zero that still touches every weight, so DDP's all-reduce runs
             loss = out.sum() * 0.0 + sum(p.sum() for p in self.model.parameters()) * 0.0 + rows.sum() * 0.0
+        return self._step(loss, looked, batch)
 
+    def _step(self, loss: torch.Tensor, looked, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step's backward, dense and sparse updates, and logs."""
         opt = self.optimizers()
         opt.zero_grad()
         self.manual_backward(loss)

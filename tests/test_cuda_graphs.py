@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import sequence_batch
 
 from lightning_modules.config import HSTUConfig
@@ -16,6 +17,7 @@ from lightning_modules.cuda_graphs import GraphedHSTU, pad_jagged
 from lightning_modules.data import SequenceDataModule
 from lightning_modules.datasets import prepare
 from lightning_modules.hstu import HSTU
+from lightning_modules.losses import catalog_softmax_loss, padded_catalog_softmax_loss
 from lightning_modules.model_files import load_model
 from lightning_modules.module import HSTULightningModule
 
@@ -66,6 +68,33 @@ def test_the_padded_batch_gives_the_real_rows_outputs_and_gradients():
     torch.testing.assert_close(x.grad, want_x)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
+@pytest.mark.parametrize("real", [13, 20, 1])
+def test_the_padded_loss_is_the_real_rows_loss_with_their_gradients(real):
+    """The full-catalog loss of a batch padded with rows of any value and any target, told
+    how many rows are real, is the loss of the real rows: its value, and the gradients to
+    the outputs (none to the padding rows) and to the items (the twin on a CPU, float64)."""
+    gen = torch.Generator().manual_seed(real)
+    rows, items, dim, temperature = 20, 30, 16, 0.05
+    out = F.normalize(torch.randn(rows, dim, generator=gen, dtype=torch.float64), dim=-1)
+    out[real:] = torch.randn(rows - real, dim, generator=gen, dtype=torch.float64) * 3  # padding: anything
+    item_emb = torch.randn(items, dim, generator=gen, dtype=torch.float64)
+    index = torch.randint(0, items, (rows,), generator=gen)
+    results = []
+    for padded in (False, True):
+        o, e = out.clone().requires_grad_(True), item_emb.clone().requires_grad_(True)
+        if padded:
+            loss = padded_catalog_softmax_loss(o, e, index, temperature, torch.tensor(real))
+        else:
+            loss = catalog_softmax_loss(o[:real], e, index[:real], temperature)
+        loss.backward()
+        results.append((loss, o.grad, e.grad))
+    (want, want_out, want_items), (got, got_out, got_items) = results
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_out, want_out)  # zeros past the real rows on both sides
+    assert not got_out[real:].any()
+    torch.testing.assert_close(got_items, want_items)
 
 
 def test_buckets_cover_every_row_count_up_to_the_batch():
@@ -126,7 +155,8 @@ def test_training_through_the_graphs_follows_training_without_them(tmp_path):
         L.Trainer(accelerator="gpu", devices=1, max_steps=12, precision="bf16-mixed", logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, callbacks=[losses]).fit(module, datamodule=data)
         curves[buckets] = losses.values
-        assert bool(module.graphed and module.graphed.graphs) == bool(buckets)
+        # the full softmax (the synthetic catalog is smaller than num_negatives): the model and loss graphs
+        assert bool(module.graphed and module.graphed.loss_graphs) == bool(buckets)
     graphed, plain = torch.tensor(curves[2]), torch.tensor(curves[0])
     assert len(graphed) == 12 and plain[-1] < plain[0]
     torch.testing.assert_close(graphed, plain, atol=0.05, rtol=0.02)
