@@ -5,9 +5,10 @@ a genre table beside it: item_embedding.py). Manual optimization: each step embe
 batch's items and the step's negatives, runs the model, back-propagates once (DDP
 all-reduces dense gradients), steps AdamW on the dense weights, and hands the embedding
 gradients to the tables' fused sparse optimizers (which route them to the ranks owning
-the rows). On GPUs the model's forward and backward replay CUDA graphs (cuda_graphs.py;
-under DDP too: the graphed backward hands each weight its gradient, and DDP's all-reduce
-hooks run on them outside the graph), and only every log_every_n_steps-th step logs (a
+the rows). On GPUs the model's forward and backward replay CUDA graphs, with the loss
+inside them where it is the full-catalog softmax (cuda_graphs.py; under DDP too: the
+graphed backward hands each weight its gradient, and DDP's all-reduce hooks run on them
+outside the graph), and only every log_every_n_steps-th step logs (a
 log waits for the GPU). Under several processes the ranks agree on a SIGTERM one step
 late, without a wait for the GPU per step (sigterm.py).
 
