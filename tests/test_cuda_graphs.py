@@ -97,6 +97,23 @@ def test_the_padded_loss_is_the_real_rows_loss_with_their_gradients(real):
     torch.testing.assert_close(got_items, want_items)
 
 
+def test_the_loss_off_the_graphs_is_the_models_loss():
+    """GraphedHSTU.catalog_loss where no graph serves (a CPU tensor, evaluation): the
+    model's outputs and the catalog loss, as the module computes them without graphs."""
+    torch.manual_seed(0)
+    model = HSTU(CONFIG).double()
+    graphed = GraphedHSTU(model, batch_slots=4, buckets=2)
+    x, ts, offsets = batch([5, 12, 0, 3], seed=2)
+    x = x.double().requires_grad_(True)
+    items = torch.randn(9, CONFIG.embedding_dim, dtype=torch.float64)
+    index = torch.randint(0, 9, (x.shape[0],))
+    for training in (True, False):
+        model.train(training)
+        got = graphed.catalog_loss(x, ts, offsets, items, index, 0.05)
+        torch.testing.assert_close(got, catalog_softmax_loss(model(x, ts, offsets), items, index, 0.05))
+    assert not graphed.loss_graphs and not graphed.graphs
+
+
 def test_buckets_cover_every_row_count_up_to_the_batch():
     graphed = GraphedHSTU(HSTU(CONFIG), batch_slots=4, buckets=3)  # 48 rows at most, buckets of 16
     assert [graphed.rows_for(r) for r in (0, 1, 16, 17, 32, 33, 48)] == [16, 16, 16, 32, 32, 48, 48]
