@@ -126,14 +126,17 @@ class GraphedHSTU:
         if not self._graphable(x, offsets) or not x.shape[0]:
             return catalog_softmax_loss(self.model(x, timestamps, offsets), item_emb, target_index, temperature)
         P, rows, dtype = x.shape[0], self.rows_for(x.shape[0]), _autocast_dtype()
-        items = item_emb.shape[0]
-        if (rows, dtype, items, temperature) not in self.loss_graphs:
+
+        def key(rows: int) -> tuple:
+            return rows, dtype, item_emb.shape[0], temperature
+
+        if key(rows) not in self.loss_graphs:
             extra = (item_emb.detach().requires_grad_(True), target_index.new_zeros(0))  # (copied per bucket)
-            self._capture_all(self.loss_graphs, lambda rows: (rows, dtype, items, temperature),
-                              lambda: _CapturedLoss(self.model, self.batch_slots, temperature), x, timestamps, offsets, dtype, extra)
+            self._capture_all(self.loss_graphs, key, lambda: _CapturedLoss(self.model, self.batch_slots, temperature),
+                              x, timestamps, offsets, dtype, extra)
         padded = pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
         # (padding rows' targets: any item; their queries are zeroed)
-        loss = self.loss_graphs[(rows, dtype, items, temperature)](*padded, item_emb, F.pad(target_index, (0, rows - P)))
+        loss = self.loss_graphs[key(rows)](*padded, item_emb, F.pad(target_index, (0, rows - P)))
         return loss.clone()  # the graph's output is overwritten by its next replay; a caller may keep the loss longer
 
     def _capture_all(

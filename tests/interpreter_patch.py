@@ -23,27 +23,31 @@ def install() -> bool:
     except ImportError:
         return False
     original = getattr(interpreter, "_patch_lang", None)
+    if getattr(original, "skips_patched", False):  # installed already
+        return True
     scope_type = getattr(interpreter, "_LangPatchScope", None)
-    if original is None or scope_type is None or getattr(original, "skips_patched", False):
-        return original is not None and getattr(original, "skips_patched", False)
-    patched: list[set[int]] = []  # per kernel running now (outermost first): the language modules it patched
+    if original is None or scope_type is None:
+        return False
+    running: set[int] | None = None  # the language modules the running kernel's launch patched (launches do not nest)
     modules: dict = {}  # per function: the language modules its globals hold
 
     def patch_lang(fn):
+        nonlocal running
         langs = modules.get(fn)
         if langs is None:
             langs = modules[fn] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
-        if patched and langs <= patched[-1]:  # a helper inside a kernel that patched its language
+        if running is not None and langs <= running:  # a helper inside a kernel that patched its language
             return scope_type()
         scope = original(fn)
-        if patched:  # a helper with modules of its own: patched from now on (Triton leaves it so)
-            patched[-1] = patched[-1] | langs
+        if running is not None:  # a helper with modules of its own: patched from now on (Triton leaves it so)
+            running |= langs
             return scope
-        patched.append(set(langs))  # a kernel's launch: its scope is restored when the launch ends
+        running = set(langs)  # a kernel's launch: its scope is restored when the launch ends
         restore = scope.restore
 
         def restore_and_forget():
-            patched.pop()
+            nonlocal running
+            running = None
             restore()
 
         scope.restore = restore_and_forget
