@@ -18,7 +18,8 @@ GPU, the rest in pinned host memory (worked in place by GPU kernels), the next b
 rows prefetched in each iteration (the collection's prefetch; one by one, each table's); its tables are filled the same way, in smaller
 lookups (a lookup's new ids must fit the device tier). --policies times the step with
 other eviction settings too: lfu (scores counting uses), admission (a new id gets a row
-on its second sighting); the path column says whether the collection grouped them.
+on its second sighting), with every row on the GPU and, with --host-tier, tiered; the path
+column says whether the collection grouped them.
 "GB moved": rows moved between the tiers per iteration (promotions and demotions), times
 the row's bytes (embedding and Adam state); --profile prints each run's kernels by GPU time.
 """
@@ -141,7 +142,9 @@ def main() -> None:
             rows.append(run(o, args.iters, args.warmup, per_table=True))
             torch.cuda.empty_cache()
     if args.host_tier:
-        rows.append(run("adam", args.iters, args.warmup, tier="host", profile=args.profile))
+        for policy in args.policies:
+            rows.append(run("adam", args.iters, args.warmup, tier="host", policy=policy, profile=args.profile))
+            torch.cuda.empty_cache()
         if args.per_table:
             torch.cuda.empty_cache()
             rows.append(run("adam", args.iters, args.warmup, tier="host", per_table=True))
