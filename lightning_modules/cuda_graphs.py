@@ -18,6 +18,9 @@ as the model's graph replays did (benchmarks/train_throughput.md). The loss of a
 batch is that of its real rows (losses.padded_catalog_softmax_loss), whose count the
 graph reads from the padded offsets.
 
+With one process, step_graph.py puts the whole step (this loss, the backward and AdamW's
+update) in one graph per bucket instead; these graphs serve the other cases.
+
 Graphs replace only the training forward and backward with gradients to the input rows;
 evaluation, CPU tensors and batches outside the buckets run the model as it is. Under DDP
 the graphs hold no collective: the graphed backward returns each weight's gradient and
@@ -65,7 +68,7 @@ class _Captured(nn.Module):
         return self.model(x, timestamps, offsets)
 
 
-class _CapturedLoss(nn.Module):
+class CapturedLoss(nn.Module):
     """The model and the full-catalog softmax loss of its outputs, as one bucket's graph
     sees them: the real rows' count is the padded offsets' entry at batch_slots (pad_jagged
     keeps the batch's end there)."""
@@ -101,16 +104,16 @@ class GraphedHSTU:
         that holds it."""
         return self.sizes[bisect.bisect_left(self.sizes, rows)]
 
-    def _graphable(self, x: torch.Tensor, offsets: torch.Tensor) -> bool:
+    def graphable(self, x: torch.Tensor, offsets: torch.Tensor) -> bool:
         """Whether a call on this batch replays a graph: a training call on the GPU whose
         batch fits the largest bucket."""
         training = self.model.training and torch.is_grad_enabled() and x.is_cuda and x.requires_grad
         return training and x.shape[0] <= self.max_rows and offsets.numel() - 1 <= self.batch_slots
 
     def __call__(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if not self._graphable(x, offsets):
+        if not self.graphable(x, offsets):
             return self.model(x, timestamps, offsets)
-        P, rows, dtype = x.shape[0], self.rows_for(x.shape[0]), _autocast_dtype()
+        P, rows, dtype = x.shape[0], self.rows_for(x.shape[0]), autocast_dtype()
         if (rows, dtype) not in self.graphs:
             self._capture_all(self.graphs, lambda rows: (rows, dtype), lambda: _Captured(self.model), x, timestamps, offsets, dtype)
         padded = pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
@@ -123,16 +126,16 @@ class GraphedHSTU:
         """catalog_softmax_loss(model(x, timestamps, offsets), item_emb, target_index,
         temperature), the model and the loss replayed from one graph per row bucket for a
         training call (as __call__ replays the model alone)."""
-        if not self._graphable(x, offsets) or not x.shape[0]:
+        if not self.graphable(x, offsets) or not x.shape[0]:
             return catalog_softmax_loss(self.model(x, timestamps, offsets), item_emb, target_index, temperature)
-        P, rows, dtype = x.shape[0], self.rows_for(x.shape[0]), _autocast_dtype()
+        P, rows, dtype = x.shape[0], self.rows_for(x.shape[0]), autocast_dtype()
 
         def key(rows: int) -> tuple:
             return rows, dtype, item_emb.shape[0], temperature
 
         if key(rows) not in self.loss_graphs:
             extra = (item_emb.detach().requires_grad_(True), target_index.new_zeros(0))  # (copied per bucket)
-            self._capture_all(self.loss_graphs, key, lambda: _CapturedLoss(self.model, self.batch_slots, temperature),
+            self._capture_all(self.loss_graphs, key, lambda: CapturedLoss(self.model, self.batch_slots, temperature),
                               x, timestamps, offsets, dtype, extra)
         padded = pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
         # (padding rows' targets: any item; their queries are zeroed)
@@ -161,5 +164,5 @@ class GraphedHSTU:
                 graphs[key(rows)] = torch.cuda.make_graphed_callables(make(), sample, pool=self.pool)
 
 
-def _autocast_dtype() -> torch.dtype | None:
+def autocast_dtype() -> torch.dtype | None:
     return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None

@@ -8,7 +8,8 @@ gradients to the tables' fused sparse optimizers (which route them to the ranks 
 the rows). On GPUs the model's forward and backward replay CUDA graphs, with the loss
 inside them where it is the full-catalog softmax (cuda_graphs.py; under DDP too: the
 graphed backward hands each weight its gradient, and DDP's all-reduce hooks run on them
-outside the graph), and only every log_every_n_steps-th step logs (a
+outside the graph); with one process and that loss, one graph holds the whole dense step,
+AdamW's update included (step_graph.py). Only every log_every_n_steps-th step logs (a
 log waits for the GPU). Under several processes the ranks agree on a SIGTERM one step
 late, without a wait for the GPU per step (sigterm.py).
 
@@ -31,6 +32,7 @@ from .item_features import ItemFeatures
 from .losses import catalog_softmax_loss, sampled_softmax_loss
 from .sasrec import SASRec, SASRecConfig, bce_loss, catalog_indices, negatives_outside_history
 from .sigterm import defer_sigterm_broadcast
+from .step_graph import GraphedTrainingStep
 
 EMBEDDING_DUMP_KEY = "embedding_dump"
 
@@ -39,6 +41,17 @@ def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
     """A generator of its own for each run seed, step and rank: a step's draws differ
     across ranks and steps, and repeat when the run is repeated or resumed."""
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+
+
+def rows_gradient(rows: torch.Tensor, sources: torch.Tensor, x_grad: torch.Tensor, items_grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of a step's looked-up rows (the batch's items, then the catalog's)
+    from those of the model's input rows x = rows[sources] and of the catalog's rows: what
+    autograd's backward of the indexing and the split gives, in two launches (the model's
+    step graph hands back the latter two)."""
+    grad = torch.zeros_like(rows)
+    grad[: rows.shape[0] - items_grad.shape[0]].index_add_(0, sources, x_grad)
+    grad[rows.shape[0] - items_grad.shape[0] :] = items_grad
+    return grad
 
 
 class HSTULightningModule(L.LightningModule):
@@ -58,6 +71,7 @@ class HSTULightningModule(L.LightningModule):
         self.features = features if config.item_features else None
         self.items: ItemEmbedding | None = None
         self.graphed: GraphedHSTU | None = None  # the model's CUDA graphs, where setup makes them
+        self.step_graph: GraphedTrainingStep | None = None  # the whole step's, where _graphed_step makes them
         self._last_logged: float | None = None  # when _log_step last logged, and the samples trained since
         self._samples = 0
 
@@ -76,8 +90,10 @@ class HSTULightningModule(L.LightningModule):
 
     def configure_optimizers(self):
         c = self.config
-        on_cuda = all(p.is_cuda for p in self.model.parameters())  # one fused kernel there, not one per tensor group
-        return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay, fused=on_cuda or None)
+        # on CUDA: one fused kernel, not one per tensor group, and capturable (step_graph.py)
+        on_cuda = all(p.is_cuda for p in self.model.parameters())
+        return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay, fused=on_cuda or None,
+                                 capturable=on_cuda)
 
     def sample_negatives(self) -> torch.Tensor:
         """The step's negatives, shared by every position: the whole catalog when it has
@@ -104,6 +120,12 @@ class HSTULightningModule(L.LightningModule):
         targets = sources + 1
         if targets.numel() and negatives is self.catalog:  # the full softmax, in the model's graphs where it has them
             index = torch.searchsorted(self.catalog, ids[targets])
+            step_graph = self._graphed_step()
+            done = step_graph(*inputs, neg_rows, index, self.config.temperature) if step_graph is not None else None
+            if done is not None:  # the whole step replayed: the weights are updated
+                loss, x_grad, emb_grad = done
+                rows.backward(rows_gradient(rows, sources, x_grad, emb_grad))  # to the looked-up rows (and genres)
+                return self._step(loss, looked, batch, dense_done=True)
             if self.graphed is not None:
                 loss = self.graphed.catalog_loss(*inputs, neg_rows, index, self.config.temperature)
             else:
@@ -116,12 +138,28 @@ class HSTULightningModule(L.LightningModule):
             loss = out.sum() * 0.0 + sum(p.sum() for p in self.model.parameters()) * 0.0 + rows.sum() * 0.0
         return self._step(loss, looked, batch)
 
-    def _step(self, loss: torch.Tensor, looked, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The step's backward, dense and sparse updates, and logs."""
+    def _graphed_step(self) -> GraphedTrainingStep | None:
+        """The step graphs, where the model has graphs and one process trains (under
+        several, DDP's all-reduce runs between the backward and the update); made at the
+        first step, after the optimizer. Not where the optimizer cannot be captured: a
+        checkpoint's optimizer settings replace configure_optimizers' when a run resumes,
+        and one saved by a CPU run, or before AdamW was made capturable, keeps them."""
+        if self.step_graph is None and self.graphed is not None and self.trainer.world_size == 1:
+            opt = self.optimizers().optimizer
+            if all(group["capturable"] for group in opt.param_groups):
+                self.step_graph = GraphedTrainingStep(self.graphed, opt)
+        return self.step_graph
+
+    def _step(self, loss: torch.Tensor, looked, batch: dict[str, torch.Tensor], dense_done: bool = False) -> torch.Tensor:
+        """The step's backward, dense and sparse updates, and logs. dense_done: a step graph
+        did the backward and the dense update already."""
         opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(loss)
+        if not dense_done:
+            self.manual_backward(loss)
+        # Lightning counts the step by it; after a step graph no weight has a gradient and
+        # this changes nothing
         opt.step()
+        opt.zero_grad()  # no gradient outlives its step: a step graph's optimizer step must see none
         self.items.apply_gradients(looked)
 
         self._log_step(loss, len(batch["lengths"]))

@@ -192,3 +192,32 @@ def test_training_step_on_batches_with_and_without_targets():
     assert any(not torch.equal(w, p) for w, p in zip(weights, module.model.parameters()))
     # the ranks' SIGTERM agreement without a wait per step (sigterm.py) is the loop's
     assert isinstance(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor, DeferredSigtermBroadcast)
+
+
+def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path):
+    """A GPU run saves AdamW fused and capturable (step_graph.py), and a resumed run takes
+    the checkpoint's optimizer settings: on a CPU it still steps, and trains on."""
+    resumed_from = {}
+
+    class Weights(L.Callback):
+        def on_train_start(self, trainer, module):
+            resumed_from.update({n: p.detach().clone() for n, p in module.model.named_parameters()})
+
+    def fit(steps, ckpt_path=None):
+        module = HSTULightningModule(SMALL, catalog=torch.arange(100, 130), checkpoint_dir=tmp_path)
+        trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[Weights()])
+        batches = [jagged_batch([(np.arange(100, 108), np.arange(8)), (np.array([120, 121, 125]), np.array([1, 2, 3]))])] * steps
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
+        return trainer, module
+
+    trainer, _ = fit(2)
+    path = tmp_path / "gpu.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    for group in checkpoint["optimizer_states"][0]["param_groups"]:
+        group.update(fused=True, capturable=True)  # as configure_optimizers makes them on a GPU
+    torch.save(checkpoint, path)
+    trainer, module = fit(3, ckpt_path=path)
+    assert trainer.global_step == 3
+    assert any(not torch.equal(resumed_from[n], p) for n, p in module.model.named_parameters())
