@@ -134,10 +134,11 @@ def sync_sites(caught: list) -> Counter:
 def run(
     device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
     cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2, whole_item_table: int | None = None,
-    compile_blocks: bool | None = None, host_profile: bool = False,
+    compile_blocks: bool | None = None, host_profile: bool = False, layer_norm_kernel: bool | None = None,
 ) -> dict:
     config = preset(preset_name).override(
         batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets, compile_blocks=compile_blocks, embedding_capacity=whole_item_table,
+        layer_norm_kernel=layer_norm_kernel,
         embedding_max_capacity=whole_item_table,
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,6 +193,7 @@ def run(
         "device": device, "device_name": name, "threads": torch.get_num_threads(), "preset": preset_name,
         "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
         "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "compile_blocks": config.compile_blocks,
+        "layer_norm_kernel": config.layer_norm_kernel,
         "embedding_capacity": config.embedding_capacity, "embedding_max_capacity": config.embedding_max_capacity, "users": users, "workers": workers,
         "timed_steps": timer.steps, "seconds": timer.elapsed,
         "samples_per_s": sum(len(x) for x in lengths) / timer.elapsed,
@@ -215,6 +217,8 @@ def main() -> None:
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
     p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' work around the attention through torch.compile (default: the preset's)")
+    p.add_argument("--layer-norm-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="the blocks' layer norms through kernels.layer_norm (default: the preset's)")
     p.add_argument("--count-syncs", action="store_true", help="CUDA: count the timed steps' waits for the device by call site, and list Triton compilations in them (slows the steps)")
     p.add_argument("--whole-item-table", type=int, metavar="ROWS",
                    help="the item table allocated whole at this many rows (capacity = max_capacity: it never grows, so no lookup checks whether it must)")
@@ -225,7 +229,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     rows = [
         run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets, args.count_syncs,
-            args.workers, args.whole_item_table, args.compile_blocks, args.host_profile)
+            args.workers, args.whole_item_table, args.compile_blocks, args.host_profile, args.layer_norm_kernel)
         for name in args.preset
     ]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")

@@ -48,6 +48,10 @@ class HSTUConfig:
     # first step (hstu.py). Off by default: faster on one GPU, measured slower under 4
     # processes on one host (benchmarks/scaling.md)
     compile_blocks: bool = False
+    # the blocks' layer norms through kernels.layer_norm (Triton on CUDA, torch's elsewhere)
+    # instead of torch's CUDA kernel, which is slow at the paper presets' width of 50. Off
+    # until timed on a GPU (benchmarks/train_throughput.md)
+    layer_norm_kernel: bool = False
 
     def embedding_config(self) -> EmbeddingConfig:
         return EmbeddingConfig(
@@ -77,6 +81,7 @@ class HSTUConfig:
         d.setdefault("item_features", False)  # configs saved before the fields existed
         d.setdefault("balanced_batches", True)
         d.setdefault("compile_blocks", False)
+        d.setdefault("layer_norm_kernel", False)
         return HSTUConfig(**d)
 
     def override(self, **changes) -> "HSTUConfig":

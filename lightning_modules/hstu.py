@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.hstu_attention import hstu_attention
+from kernels.layer_norm import layer_norm
 
 from .config import HSTUConfig
 
@@ -88,18 +89,28 @@ def _compiled(fn, jagged: tuple[int, ...]):
     return call
 
 
+class KernelLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (its weights and state keys) computed by kernels.layer_norm."""
+
+    backend = "auto"  # kernels.layer_norm's backend ("triton" on a CPU: Triton's interpreter, for tests)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, self.backend)
+
+
 class HSTUBlock(nn.Module):
     def __init__(self, c: HSTUConfig):
         super().__init__()
         self.heads, self.dqk, self.dv = c.num_heads, c.attention_dim, c.linear_dim
         self.max_seq_len = c.max_seq_len
         self.compile = c.compile_blocks
-        self.input_norm = nn.LayerNorm(c.embedding_dim)
+        norm = KernelLayerNorm if c.layer_norm_kernel else nn.LayerNorm
+        self.input_norm = norm(c.embedding_dim)
         # initialized as the paper's reference implementation: small U, V, Q, K projections
         # (std 0.02, no bias) and a Xavier output projection
         self.uvqk = nn.Linear(c.embedding_dim, c.num_heads * (2 * c.linear_dim + 2 * c.attention_dim), bias=False)
         nn.init.normal_(self.uvqk.weight, 0, 0.02)
-        self.attn_norm = nn.LayerNorm(c.num_heads * c.linear_dim)
+        self.attn_norm = norm(c.num_heads * c.linear_dim)
         self.output = nn.Linear(c.num_heads * c.linear_dim, c.embedding_dim)
         nn.init.xavier_uniform_(self.output.weight)
         self.dropout = nn.Dropout(c.dropout)

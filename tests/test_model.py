@@ -9,7 +9,7 @@ from lightning_modules.config import HSTUConfig, preset
 from lightning_modules.data import PackedBatch, SequenceDataModule, jagged_batch, padded, unpacked
 from lightning_modules.datasets import prepare
 from lightning_modules.evaluate import ranking_metrics, target_ranks
-from lightning_modules.hstu import HSTU
+from lightning_modules.hstu import HSTU, KernelLayerNorm
 from lightning_modules.losses import catalog_softmax_loss, sampled_softmax_loss
 from lightning_modules.module import HSTULightningModule
 from lightning_modules.sigterm import DeferredSigtermBroadcast
@@ -221,3 +221,25 @@ def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path):
     trainer, module = fit(3, ckpt_path=path)
     assert trainer.global_step == 3
     assert any(not torch.equal(resumed_from[n], p) for n, p in module.model.named_parameters())
+
+
+def test_the_layer_norm_kernel_computes_the_models_layer_norms():
+    """layer_norm_kernel: the same weights (the same state keys) give the same outputs and
+    gradients through the Triton kernels as through torch's layer norms."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    plain = HSTU(SMALL).to(device).eval()
+    kernel = HSTU(SMALL.override(layer_norm_kernel=True)).to(device).eval()
+    kernel.load_state_dict(plain.state_dict())
+    norms = [m for m in kernel.modules() if isinstance(m, KernelLayerNorm)]
+    assert len(norms) == 2 * SMALL.num_blocks and not any(isinstance(m, KernelLayerNorm) for m in plain.modules())
+    for m in norms:
+        m.backend = "triton"  # (on a CPU, under Triton's interpreter)
+    x, ts, offsets = (t.to(device) for t in sequence_batch([5, 3, 0, 7], SMALL.embedding_dim, seed=0))
+    outputs = []
+    for model in (kernel, plain):
+        out = model(x, ts, offsets)
+        out.square().sum().backward()
+        outputs.append((out, model.blocks[0].input_norm.weight.grad, model.blocks[1].attn_norm.bias.grad))
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
