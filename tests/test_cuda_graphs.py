@@ -176,8 +176,8 @@ def test_training_through_the_graphs_follows_training_without_them(tmp_path):
         # the whole step's graphs
         assert bool(module.step_graph and module.step_graph.buckets) == bool(buckets)
     graphed, plain = torch.tensor(curves[2]), torch.tensor(curves[0])
-    assert len(graphed) == 12 and plain[-1] < plain[0]
-    torch.testing.assert_close(graphed, plain, atol=0.05, rtol=0.02)
+    assert len(graphed) == 12 and plain[-1] < plain[0], (graphed.tolist(), plain.tolist())
+    torch.testing.assert_close(graphed, plain, atol=0.05, rtol=0.02, msg=lambda m: f"{m}\ngraphed {graphed.tolist()}\nplain {plain.tolist()}")
 
 
 def train_two_processes(data: Path, out: Path, buckets: int) -> dict[str, torch.Tensor]:
