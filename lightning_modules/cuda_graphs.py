@@ -116,8 +116,7 @@ class GraphedHSTU:
         P, rows, dtype = x.shape[0], self.rows_for(x.shape[0]), autocast_dtype()
         if (rows, dtype) not in self.graphs:
             self._capture_all(self.graphs, lambda rows: (rows, dtype), lambda: _Captured(self.model), x, timestamps, offsets, dtype)
-        padded = pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
-        return self.graphs[(rows, dtype)](*padded)[:P]
+        return self.graphs[(rows, dtype)](*self.padded(x, timestamps, offsets, rows))[:P]
 
     def catalog_loss(
         self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, item_emb: torch.Tensor,
@@ -137,9 +136,8 @@ class GraphedHSTU:
             extra = (item_emb.detach().requires_grad_(True), target_index.new_zeros(0))  # (copied per bucket)
             self._capture_all(self.loss_graphs, key, lambda: CapturedLoss(self.model, self.batch_slots, temperature),
                               x, timestamps, offsets, dtype, extra)
-        padded = pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
         # (padding rows' targets: any item; their queries are zeroed)
-        loss = self.loss_graphs[key(rows)](*padded, item_emb, F.pad(target_index, (0, rows - P)))
+        loss = self.loss_graphs[key(rows)](*self.padded(x, timestamps, offsets, rows), item_emb, F.pad(target_index, (0, rows - P)))
         return loss.clone()  # the graph's output is overwritten by its next replay; a caller may keep the loss longer
 
     def _capture_all(
@@ -152,16 +150,36 @@ class GraphedHSTU:
         of training), each on a batch of padding rows alone: a graph depends on the batch's
         shapes, not its values. extra: the module's arguments after the batch, copied for
         each bucket, those with a first dimension of 0 padded to its rows."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        pool = self.graph_pool()
+        with capture_autocast(dtype):
+            for rows, sample in self.samples(x, timestamps, offsets, extra):
+                graphs[key(rows)] = torch.cuda.make_graphed_callables(make(), sample, pool=pool)
+
+    def padded(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, rows: int) -> tuple:
+        """A batch padded to `rows` rows as the graphs take it (pad_jagged)."""
+        return pad_jagged(x, timestamps, offsets, rows, self.batch_slots, self.model.config.max_seq_len)
+
+    def samples(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, extra: tuple = ()):
+        """(rows, a capture's arguments) for every bucket: a batch of padding rows alone
+        shaped as (x, timestamps, offsets), x a leaf requiring gradients, then extra's
+        tensors copied, those with a first dimension of 0 padded to the bucket's rows."""
         empty = (x[:0].detach(), timestamps[:0], offsets[:1])
         for rows in self.sizes:
-            px, pts, poff = pad_jagged(*empty, rows, self.batch_slots, self.model.config.max_seq_len)
+            px, pts, poff = self.padded(*empty, rows)
             rest = tuple((F.pad(e, (0, rows)) if e.shape[0] == 0 else e.detach().clone()).requires_grad_(e.requires_grad) for e in extra)
-            sample = (px.requires_grad_(True), pts, poff, *rest)
-            # graphs record autocast's casts; they cannot use its cache of cast weights
-            with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
-                graphs[key(rows)] = torch.cuda.make_graphed_callables(make(), sample, pool=self.pool)
+            yield rows, (px.requires_grad_(True), pts, poff, *rest)
+
+    def graph_pool(self):
+        """The memory pool every graph made for this model captures into."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
+
+def capture_autocast(dtype: torch.dtype | None):
+    """Autocast as a capture records it: at `dtype` (None: off), without autocast's cache
+    of cast weights (a graph records the casts; it cannot use the cache)."""
+    return torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False)
 
 
 def autocast_dtype() -> torch.dtype | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cuda_graphs import CapturedLoss, GraphedHSTU, autocast_dtype, pad_jagged
+from .cuda_graphs import CapturedLoss, GraphedHSTU, autocast_dtype, capture_autocast
 
 WARMUP_STEPS = 3  # steps run before a capture: kernel tuning, the optimizer's state
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # what a captured AdamW step holds as constants
@@ -81,7 +81,7 @@ class GraphedTrainingStep:
         if key(rows) not in self.buckets:
             self._capture_all(key, x, timestamps, offsets, item_emb, target_index, dtype, temperature)
         b = self.buckets[key(rows)]
-        px, pts, poff = pad_jagged(x.detach(), timestamps, offsets, rows, g.batch_slots, g.model.config.max_seq_len)
+        px, pts, poff = g.padded(x.detach(), timestamps, offsets, rows)
         b.x.detach().copy_(px)
         b.timestamps.copy_(pts)
         b.offsets.copy_(poff)
@@ -96,16 +96,13 @@ class GraphedTrainingStep:
         shapes, not the values. The warm-up steps' changes to the weights and the
         optimizer's state are undone before each capture."""
         g = self.graphed
-        if g.pool is None:
-            g.pool = torch.cuda.graph_pool_handle()
+        pool = g.graph_pool()
         module = CapturedLoss(g.model, g.batch_slots, temperature)
         saved = self._saved()
-        empty = (x[:0].detach(), timestamps[:0], offsets[:1])
-        with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
-            for rows in g.sizes:
-                px, pts, poff = pad_jagged(*empty, rows, g.batch_slots, g.model.config.max_seq_len)
-                b = _Bucket(px.requires_grad_(True), pts, poff, item_emb.detach().clone().requires_grad_(True),
-                            F.pad(target_index[:0], (0, rows)))
+        extra = (item_emb.detach().requires_grad_(True), target_index.new_zeros(0))  # (copied per bucket)
+        with capture_autocast(dtype):
+            for rows, sample in g.samples(x, timestamps, offsets, extra):
+                b = _Bucket(*sample)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -114,9 +111,9 @@ class GraphedTrainingStep:
                 torch.cuda.current_stream().wait_stream(side)
                 self._restore(saved)
                 b.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(b.graph, pool=g.pool):
+                with torch.cuda.graph(b.graph, pool=pool):
                     b.loss = self._step(module, b).detach()  # (no autograd graph kept alive past the capture)
-                b.weight_grads = [p.grad for group in self.optimizer.param_groups for p in group["params"]]
+                b.weight_grads = [p.grad for p in self._params()]
                 self.buckets[key(rows)] = b
         self.optimizer.zero_grad(set_to_none=True)  # outside the graphs no weight has a gradient
 
@@ -128,10 +125,12 @@ class GraphedTrainingStep:
         self.optimizer.step()
         return loss
 
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def _saved(self) -> tuple[list, dict]:
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         state = {p: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for p, s in self.optimizer.state.items()}
-        return [(p, p.detach().clone()) for p in params], state
+        return [(p, p.detach().clone()) for p in self._params()], state
 
     @torch.no_grad()
     def _restore(self, saved: tuple[list, dict]) -> None:
