@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autotune import autotuned
+from ..autotune import TunedLaunches, autotuned
 
 ROW_TILE = 4096  # elements a program holds at once: rows of ROW_TILE // width columns (at least one)
 MAX_PARTIALS = 256  # programs of the backward, each writing one partial row of the weight's and bias's gradients
@@ -80,8 +80,8 @@ def _backward_kernel(
     tl.store(db_ptr + program * dim + c, db, mask=c < dim)
 
 
-_forward = autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"])
-_backward = autotuned(_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"])
+_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"]))
+_backward = TunedLaunches(autotuned(_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"]))
 
 
 def _blocks(dim: int) -> tuple[int, int]:
@@ -99,7 +99,8 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     rstd = torch.empty_like(mean)
     if rows and dim:
         block_r, block_d = _blocks(dim)
-        _forward[(triton.cdiv(rows, block_r),)](x, weight, bias, y, mean, rstd, rows, dim, eps, BLOCK_R=block_r, BLOCK_D=block_d)
+        _forward(lambda meta: (triton.cdiv(rows, block_r),), (x, weight, bias, y, mean, rstd, rows, dim, eps),
+                 dict(BLOCK_R=block_r, BLOCK_D=block_d))
     return y, mean, rstd
 
 
@@ -112,7 +113,7 @@ def layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     # the weight's and bias's partial sums: every program writes its row (no rows: zeros)
     partial = (torch.empty if rows else torch.zeros)((2, programs, dim), dtype=torch.float32, device=x.device)
     if rows and dim:
-        _backward[(programs,)](grad.contiguous(), x, weight, mean, rstd, dx, partial[0], partial[1], rows, dim,
-                               BLOCK_R=block_r, BLOCK_D=block_d)
+        _backward(lambda meta: (programs,), (grad.contiguous(), x, weight, mean, rstd, dx, partial[0], partial[1], rows, dim),
+                  dict(BLOCK_R=block_r, BLOCK_D=block_d))
     sums = partial.sum(1)
     return dx, sums[0], sums[1]
