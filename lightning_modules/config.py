@@ -49,9 +49,10 @@ class HSTUConfig:
     # processes on one host (benchmarks/scaling.md)
     compile_blocks: bool = False
     # the blocks' layer norms through kernels.layer_norm (Triton on CUDA, torch's elsewhere)
-    # instead of torch's CUDA kernel, which is slow at the paper presets' width of 50. Off
-    # until timed on a GPU (benchmarks/train_throughput.md)
-    layer_norm_kernel: bool = False
+    # instead of torch's CUDA kernel, which takes a thread block per row at the paper
+    # presets' width of 50 (timings: benchmarks/train_throughput.md). The same weights and
+    # state keys either way
+    layer_norm_kernel: bool = True
 
     def embedding_config(self) -> EmbeddingConfig:
         return EmbeddingConfig(
@@ -81,7 +82,7 @@ class HSTUConfig:
         d.setdefault("item_features", False)  # configs saved before the fields existed
         d.setdefault("balanced_batches", True)
         d.setdefault("compile_blocks", False)
-        d.setdefault("layer_norm_kernel", False)
+        d.setdefault("layer_norm_kernel", False)  # (what those configs computed with)
         return HSTUConfig(**d)
 
     def override(self, **changes) -> "HSTUConfig":
