@@ -13,6 +13,9 @@ Shapes (bf16, lengths uniform in [N/2, N], max_seq_len N): B32 N4096 H4 D128, B1
 H2 D64, and the paper presets' attention (B128 N200: H1 D50; H2 D25). TFLOP/s counts the
 causal half of QKᵀ and AV: forward H · Σ n² · (dqk + dv), forward + backward 3.5x that.
 "fwd+bwd, fixed biases" leaves the bias tables without gradients (no atomic adds).
+"f+b graph" is the Triton forward + backward captured in a CUDA graph and replayed: the
+GPU's time alone, as the training step's graphs see it (the other columns include the
+host's time where the GPU waits for it, as at B128 N200).
 Times: the median of triton.testing.do_bench (CUDA events); the twin where it fits in memory.
 """
 import argparse
@@ -26,6 +29,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.graph_replay import replayed  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
 
 from kernels.hstu_attention import hstu_attention  # noqa: E402
@@ -68,9 +72,11 @@ def bench(fn) -> float | None:
 
 
 def time_impl(attention, label, backend, q, k, v, offsets, timestamps, position_bias, time_bias, n, grad) -> dict:
-    """Forward, forward + backward, and forward + backward with fixed biases of one
-    implementation, ms (None where it does not fit)."""
+    """Forward, forward + backward, forward + backward with fixed biases, and forward +
+    backward replayed from a CUDA graph (Triton only) of one implementation, ms (None where
+    it does not fit or is not timed)."""
     fixed = (position_bias.detach(), time_bias.detach())
+    leaves = (q, k, v, position_bias, time_bias)
 
     def forward(biases=(position_bias, time_bias)):
         return attention(q, k, v, offsets, timestamps, *biases, n, backend=backend)
@@ -83,17 +89,21 @@ def time_impl(attention, label, backend, q, k, v, offsets, timestamps, position_
         fwd = bench(lambda: forward())
         step = bench(lambda: forward().backward(grad))
         step_fixed = bench(lambda: forward(fixed).backward(grad))
-    return {"impl": label, "forward_ms": fwd, "forward_backward_ms": step, "forward_backward_fixed_bias_ms": step_fixed}
+    graphed = bench(replayed(lambda: torch.autograd.grad(forward(), leaves, grad))) if backend == "triton" else None
+    return {"impl": label, "forward_ms": fwd, "forward_backward_ms": step, "forward_backward_fixed_bias_ms": step_fixed,
+            "forward_backward_graph_ms": graphed}
 
 
 def fastest(runs: list[dict], forward_flops: float) -> dict:
     """One implementation's rows of several rounds as one: the least time of each kind."""
     row = {"impl": runs[0]["impl"]}
-    for key in ("forward_ms", "forward_backward_ms", "forward_backward_fixed_bias_ms"):
+    for key in ("forward_ms", "forward_backward_ms", "forward_backward_fixed_bias_ms", "forward_backward_graph_ms"):
         times = [r[key] for r in runs if r[key] is not None]
         row[key] = min(times) if times else None
     row["forward_TFLOPs"] = forward_flops / row["forward_ms"] / 1e9 if row["forward_ms"] else None
-    row["forward_backward_TFLOPs"] = 3.5 * forward_flops / row["forward_backward_ms"] / 1e9 if row["forward_backward_ms"] else None
+    for key in ("forward_backward", "forward_backward_graph"):
+        ms = row[f"{key}_ms"]
+        row[f"{key}_TFLOPs"] = 3.5 * forward_flops / ms / 1e9 if ms else None
     return row
 
 
@@ -137,11 +147,12 @@ def main() -> None:
     def fmt(x, spec):
         return format(x, spec) if x is not None else "-"
 
-    print(f"{'shape':24} {'impl':22} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'f+b fixed':>9}")
+    print(f"{'shape':24} {'impl':22} {'fwd ms':>8} {'TFLOP/s':>8} {'f+b ms':>8} {'TFLOP/s':>8} {'f+b fixed':>9} {'f+b graph':>9} {'TFLOP/s':>8}")
     for r in rows:
         print(
             f"{r['shape']:24} {r['impl']:22} {fmt(r['forward_ms'], '8.3f')} {fmt(r['forward_TFLOPs'], '8.1f')} "
-            f"{fmt(r['forward_backward_ms'], '8.3f')} {fmt(r['forward_backward_TFLOPs'], '8.1f')} {fmt(r['forward_backward_fixed_bias_ms'], '9.3f')}"
+            f"{fmt(r['forward_backward_ms'], '8.3f')} {fmt(r['forward_backward_TFLOPs'], '8.1f')} {fmt(r['forward_backward_fixed_bias_ms'], '9.3f')} "
+            f"{fmt(r['forward_backward_graph_ms'], '9.3f')} {fmt(r['forward_backward_graph_TFLOPs'], '8.1f')}"
         )
     write_results("hstu_attention", rows, args.out)
 

@@ -7,8 +7,11 @@ Float32 rows (autocast runs layer norms in float32): 25,600 rows of width 50 (`h
 `hstu-large`, batch 128 of up to 200 items; both norms of a block are 50 wide) and 49,152
 rows of width 512 (`hstu-long`, batch 16 of about 3,072 items). Forward alone and forward
 + backward (the input's, weight's and bias's gradients). GB/s counts the forward's bytes
-read and written (x and y). Times: the median of triton.testing.do_bench (CUDA events,
-L2 flushed between runs). Each implementation is checked against torch's first.
+read and written (x and y). "graph" is the forward + backward captured in a CUDA graph and
+replayed: the GPU's time alone, as the training step's graph sees it (at width 50 the
+plain forward + backward is bound by the host's launches). Times: the median of
+triton.testing.do_bench (CUDA events, L2 flushed between runs). Each implementation is
+checked against torch's first.
 """
 import argparse
 import sys
@@ -20,6 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.graph_replay import replayed  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
 
 from kernels.layer_norm import layer_norm  # noqa: E402
@@ -48,8 +52,10 @@ def rows_for(name: str, rows: int, dim: int) -> list[dict]:
         leaves = [t.detach().requires_grad_(True) for t in (x, weight, bias)]
         forward = timed(lambda: fn(x, weight, bias))
         both = timed(lambda: torch.autograd.grad(fn(*leaves), leaves, grad))
+        graphed = timed(replayed(lambda: torch.autograd.grad(fn(*leaves), leaves, grad)))
         out.append({"shape": name, "rows": rows, "dim": dim, "impl": impl, "forward_ms": forward,
-                    "forward_GBps": 2 * x.numel() * x.element_size() / forward / 1e6, "forward_backward_ms": both})
+                    "forward_GBps": 2 * x.numel() * x.element_size() / forward / 1e6, "forward_backward_ms": both,
+                    "forward_backward_graph_ms": graphed})
     return out
 
 
@@ -59,9 +65,10 @@ def main() -> None:
     args = p.parse_args()
     results = [r for name, (rows, dim) in SHAPES.items() for r in rows_for(name, rows, dim)]
     print(f"\n{torch.cuda.get_device_name()}: float32 layer norm")
-    print(f"{'shape':30} {'impl':8} {'fwd ms':>8} {'GB/s':>7} {'fwd+bwd ms':>11}")
+    print(f"{'shape':30} {'impl':8} {'fwd ms':>8} {'GB/s':>7} {'fwd+bwd ms':>11} {'graph ms':>9}")
     for r in results:
-        print(f"{r['shape']:30} {r['impl']:8} {r['forward_ms']:8.3f} {r['forward_GBps']:7.0f} {r['forward_backward_ms']:11.3f}")
+        print(f"{r['shape']:30} {r['impl']:8} {r['forward_ms']:8.3f} {r['forward_GBps']:7.0f} {r['forward_backward_ms']:11.3f}"
+              f" {r['forward_backward_graph_ms']:9.3f}")
     write_results("layer_norm", results, args.out)
 
 
