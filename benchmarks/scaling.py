@@ -27,6 +27,9 @@ Communication share: the step is timed twice, plain (the ms and samples/s report
 with every collective (the embedding's all-to-alls, DDP's all-reduce through a comm hook)
 made blocking and timed alone; the share is their time over that step's. It counts what a
 collective costs the step when nothing overlaps it: an upper bound where DDP overlaps.
+Where the step graphs serve (the full-catalog loss on GPUs: lightning_modules/step_graph.py)
+the dense gradients' all-reduce is inside the graph, not timed apart: such rows say so
+(`dense_all_reduce_in_graph`), and their comm is the embedding's all-to-alls alone.
 Prints a table and writes JSON to benchmarks/results/scaling_<device>.json.
 
 Each HSTU row also holds every rank's own view of the plain pass (`ranks`): its slowest
@@ -187,7 +190,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     per_gpu = args.batch_size or preset(args.preset).batch_size
     config = preset(args.preset).override(batch_size=per_gpu * world, cuda_graph_buckets=args.cuda_graph_buckets,
-                                          compile_blocks=args.compile_blocks,
+                                          compile_blocks=args.compile_blocks, ddp_step_graph=args.ddp_step_graph,
                                           balanced_batches=False if args.unbalanced else None)
     catalog = SequenceDataModule(args.data_dir, 1, 1).catalog()
     data = SequenceDataModule(args.data_dir, config.max_seq_len, per_gpu, num_workers=2 if device == "cuda" else 0,
@@ -261,6 +264,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
         "workload": "hstu", "preset": args.preset, "batch_per_gpu": per_gpu, "max_seq_len": config.max_seq_len,
         "cuda_graph_buckets": config.cuda_graph_buckets if device == "cuda" else 0, "balanced_batches": config.balanced_batches,
         "compile_blocks": config.compile_blocks, "inductor_cache_per_rank": bool(args.inductor_cache),
+        "dense_all_reduce_in_graph": world > 1 and module.step_graph is not None,
         "ms_per_step": 1000 * plain_s / args.steps, "samples_per_s_per_gpu": sum(len(x) for x in lengths) / plain_s,
         "tflops_per_gpu": flops / plain_s / 1e12, **comm(timer, instrumented_s, args.steps, world), "ranks": ranks,
     }
@@ -364,8 +368,9 @@ def table_line(row: dict) -> str:
     if "error" in row:
         return f"{head}  {row['error']}"
     efficiency = f"{row['efficiency']:>12.1%}" if row["efficiency"] is not None else f"{'-':>12}"  # no 1-GPU run to divide by
+    in_graph = " (dense all-reduce in the step graph, not counted)" if row.get("dense_all_reduce_in_graph") else ""
     return (f"{head}{row['ms_per_step']:>10.2f}{row['samples_per_s_per_gpu']:>16,.0f}{efficiency}"
-            f"{row['comm_ms_per_step']:>10.2f}{row['comm_share']:>12.1%}")
+            f"{row['comm_ms_per_step']:>10.2f}{row['comm_share']:>12.1%}{in_graph}")
 
 
 def main(argv=None) -> None:
@@ -381,6 +386,8 @@ def main(argv=None) -> None:
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
     p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' work around the attention through torch.compile (default: the preset's)")
+    p.add_argument("--ddp-step-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="HSTU under DDP: the whole dense step in one CUDA graph, its all-reduce in it (default: the preset's)")
     p.add_argument("--unbalanced", action="store_true", help="HSTU: the ranks' shares of a batch drawn at random, not split by cost")
     p.add_argument("--profile", action="store_true", help="print rank 0's top operations in each run's plain pass (which then runs slower)")
     p.add_argument("--trace", help="with --profile: a folder for rank 0's Chrome trace of each run's plain pass")
@@ -408,6 +415,8 @@ def main(argv=None) -> None:
         common += ["--cuda-graph-buckets", str(args.cuda_graph_buckets)]
     if args.compile_blocks is not None:
         common += ["--compile-blocks" if args.compile_blocks else "--no-compile-blocks"]
+    if args.ddp_step_graph is not None:
+        common += ["--ddp-step-graph" if args.ddp_step_graph else "--no-ddp-step-graph"]
     common += ["--profile"] if args.profile else []
     common += ["--trace", str(Path(args.trace).resolve())] if args.trace else []
     common += ["--unbalanced"] if args.unbalanced else []

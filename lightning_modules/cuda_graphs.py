@@ -18,13 +18,15 @@ as the model's graph replays did (benchmarks/train_throughput.md). The loss of a
 batch is that of its real rows (losses.padded_catalog_softmax_loss), whose count the
 graph reads from the padded offsets.
 
-With one process, step_graph.py puts the whole step (this loss, the backward and AdamW's
-update) in one graph per bucket instead; these graphs serve the other cases.
+Where the loss is the full-catalog softmax and the optimizer can be captured,
+step_graph.py puts the whole step (this loss, the backward, the gradients' average over
+the ranks and AdamW's update) in one graph per bucket instead; these graphs serve the
+other cases.
 
 Graphs replace only the training forward and backward with gradients to the input rows;
-evaluation, CPU tensors and batches outside the buckets run the model as it is. Under DDP
-the graphs hold no collective: the graphed backward returns each weight's gradient and
-DDP's all-reduce hooks fire on them as on an eager backward's.
+evaluation, CPU tensors and batches outside the buckets run the model as it is. These
+graphs hold no collective: the graphed backward returns each weight's gradient and DDP's
+all-reduce hooks fire on them as on an eager backward's.
 """
 import bisect
 import math
@@ -104,11 +106,15 @@ class GraphedHSTU:
         that holds it."""
         return self.sizes[bisect.bisect_left(self.sizes, rows)]
 
+    def training_call(self, x: torch.Tensor) -> bool:
+        """Whether a call on x is a training call on the GPU (the same on every rank of a
+        step, whatever its batch)."""
+        return self.model.training and torch.is_grad_enabled() and x.is_cuda and x.requires_grad
+
     def graphable(self, x: torch.Tensor, offsets: torch.Tensor) -> bool:
         """Whether a call on this batch replays a graph: a training call on the GPU whose
         batch fits the largest bucket."""
-        training = self.model.training and torch.is_grad_enabled() and x.is_cuda and x.requires_grad
-        return training and x.shape[0] <= self.max_rows and offsets.numel() - 1 <= self.batch_slots
+        return self.training_call(x) and x.shape[0] <= self.max_rows and offsets.numel() - 1 <= self.batch_slots
 
     def __call__(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if not self.graphable(x, offsets):

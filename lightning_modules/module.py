@@ -8,8 +8,9 @@ gradients to the tables' fused sparse optimizers (which route them to the ranks 
 the rows). On GPUs the model's forward and backward replay CUDA graphs, with the loss
 inside them where it is the full-catalog softmax (cuda_graphs.py; under DDP too: the
 graphed backward hands each weight its gradient, and DDP's all-reduce hooks run on them
-outside the graph); with one process and that loss, one graph holds the whole dense step,
-AdamW's update included (step_graph.py). Only every log_every_n_steps-th step logs (a
+outside the graph); with that loss, one graph holds the whole dense step, the gradients'
+average over the ranks and AdamW's update included (step_graph.py; DDP's own gradient
+sync is then off). Only every log_every_n_steps-th step logs (a
 log waits for the GPU). Under several processes the ranks agree on a SIGTERM one step
 late, without a wait for the GPU per step (sigterm.py).
 
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import HSTUConfig
@@ -52,6 +55,9 @@ def rows_gradient(rows: torch.Tensor, sources: torch.Tensor, x_grad: torch.Tenso
     grad[: rows.shape[0] - items_grad.shape[0]].index_add_(0, sources, x_grad)
     grad[rows.shape[0] - items_grad.shape[0] :] = items_grad
     return grad
+
+
+STEP_GRAPH_UNDER_DDP = "step graphs under DDP"  # what the log says when they are made
 
 
 class HSTULightningModule(L.LightningModule):
@@ -118,14 +124,16 @@ class HSTULightningModule(L.LightningModule):
         seq_rows, neg_rows = rows[: ids.numel()], rows[ids.numel() :]
         inputs = (seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])
         targets = sources + 1
-        if targets.numel() and negatives is self.catalog:  # the full softmax, in the model's graphs where it has them
+        step_graph = self._graphed_step()  # (made at the same step on every rank, whatever its batch)
+        if negatives is self.catalog:  # the full softmax, in the model's graphs where it has them
             index = torch.searchsorted(self.catalog, ids[targets])
-            step_graph = self._graphed_step()
+            # (called without targets too: every rank captures the graphs at the same step)
             done = step_graph(*inputs, neg_rows, index, self.config.temperature) if step_graph is not None else None
             if done is not None:  # the whole step replayed: the weights are updated
                 loss, x_grad, emb_grad = done
                 rows.backward(rows_gradient(rows, sources, x_grad, emb_grad))  # to the looked-up rows (and genres)
                 return self._step(loss, looked, batch, dense_done=True)
+        if targets.numel() and negatives is self.catalog:
             if self.graphed is not None:
                 loss = self.graphed.catalog_loss(*inputs, neg_rows, index, self.config.temperature)
             else:
@@ -139,15 +147,31 @@ class HSTULightningModule(L.LightningModule):
         return self._step(loss, looked, batch)
 
     def _graphed_step(self) -> GraphedTrainingStep | None:
-        """The step graphs, where the model has graphs and one process trains (under
-        several, DDP's all-reduce runs between the backward and the update); made at the
-        first step, after the optimizer. Not where the optimizer cannot be captured: a
-        checkpoint's optimizer settings replace configure_optimizers' when a run resumes,
-        and one saved by a CPU run, or before AdamW was made capturable, keeps them."""
-        if self.step_graph is None and self.graphed is not None and self.trainer.world_size == 1:
-            opt = self.optimizers().optimizer
-            if all(group["capturable"] for group in opt.param_groups):
-                self.step_graph = GraphedTrainingStep(self.graphed, opt)
+        """The step graphs, where the model has graphs and the loss is the full softmax
+        (what they compute), under one process, or under DDP over NCCL where the config's
+        ddp_step_graph is set; made at the first step, after the optimizer. Under DDP the
+        graphs average the gradients themselves, so DDP's own gradient sync is turned off
+        for good, and _step averages the gradients of a step no graph serves
+        (step_graph.py). Not where the optimizer cannot be captured: a checkpoint's
+        optimizer settings replace configure_optimizers' when a run resumes, and one saved
+        by a CPU run, or before AdamW was made capturable, keeps them."""
+        several = self.trainer.world_size > 1
+        if self.step_graph is not None or self.graphed is None or self.config.num_negatives < len(self.catalog):
+            return self.step_graph
+        if several and not self.config.ddp_step_graph:
+            return None
+        opt = self.optimizers().optimizer
+        if not all(group["capturable"] for group in opt.param_groups):
+            return None
+        if not several:
+            self.step_graph = GraphedTrainingStep(self.graphed, opt)
+            return self.step_graph
+        ddp = self.trainer.strategy.model
+        if isinstance(ddp, DistributedDataParallel) and dist.get_backend() == "nccl":
+            ddp.require_backward_grad_sync = False
+            self.step_graph = GraphedTrainingStep(self.graphed, opt, group=dist.group.WORLD)
+            rank_zero_info(f"{STEP_GRAPH_UNDER_DDP}: the dense step and the gradients' all-reduce over "
+                           f"{self.trainer.world_size} processes in one CUDA graph per bucket")
         return self.step_graph
 
     def _step(self, loss: torch.Tensor, looked, batch: dict[str, torch.Tensor], dense_done: bool = False) -> torch.Tensor:
@@ -156,6 +180,8 @@ class HSTULightningModule(L.LightningModule):
         opt = self.optimizers()
         if not dense_done:
             self.manual_backward(loss)
+            if self.step_graph is not None:  # (under DDP its sync is off: the step graph's averaging, eagerly)
+                self.step_graph.average_gradients()
         # Lightning counts the step by it; after a step graph no weight has a gradient and
         # this changes nothing
         opt.step()

@@ -1,15 +1,22 @@
-"""The single-process training step replayed from CUDA graphs: the model, the full-catalog
+"""The training step replayed from CUDA graphs: the model, the full-catalog
 softmax loss, the backward and the optimizer's update of the dense weights, one graph
 per row bucket (cuda_graphs.GraphedHSTU's buckets and padding).
 
 GraphedHSTU replays the forward and the backward as two graphs that autograd joins: each
 step still runs autograd's engine over them, hands every weight its gradient (a copy per
 weight) and steps the optimizer from Python, host work that bounds the paper presets'
-steps (benchmarks/train_throughput.md). With one process nothing runs between the
-backward and the update (under several, DDP's all-reduce does), so one graph holds all of
-it. A replay leaves the weights and the optimizer's state updated and returns the loss
-and the gradients of the graph's inputs (the input rows and the catalog's rows); the
-caller takes those back to the looked-up embedding rows.
+steps (benchmarks/train_throughput.md). One graph holds all of it. A replay leaves the
+weights and the optimizer's state updated and returns the loss and the gradients of the
+graph's inputs (the input rows and the catalog's rows); the caller takes those back to
+the looked-up embedding rows.
+
+Under several processes (DDP over NCCL) the graph also averages the weights' gradients
+over the ranks between the backward and the update: one all-reduce of the gradients laid
+end to end, captured with the rest (NCCL's collectives can be). DDP's own hooks then stay
+off (the caller turns its gradient sync off), and a step no graph serves averages the
+gradients with the same one all-reduce (`average_gradients`), so every rank issues the
+same collectives in the same order whichever of its steps a graph serves. For the same
+reason every rank captures at the same step, also one whose own batch no graph serves.
 
 The update in the graph is the optimizer's own step (a capturable AdamW), captured with
 the weights' gradients in the graph's buffers. Outside the graph no weight has a .grad,
@@ -23,6 +30,7 @@ next call captures again.
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .cuda_graphs import CapturedLoss, GraphedHSTU, autocast_dtype, capture_autocast
@@ -44,15 +52,28 @@ class _Bucket:
     weight_grads: list = field(default_factory=list)  # kept alive: the graph writes them
 
 
+def average_gradients(params: list[torch.Tensor], group) -> None:
+    """Each parameter's gradient replaced by its mean over the ranks of `group`, in one
+    all-reduce of the gradients laid end to end (a parameter without one counts zeros).
+    No host wait: it can be captured in a CUDA graph."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for p, mean in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = mean.view_as(p)
+
+
 class GraphedTrainingStep:
     """One training step of `graphed`'s model on the full-catalog softmax loss, the
     update by `optimizer` (an AdamW over the model's weights, capturable), replayed from
-    one CUDA graph per bucket (module docstring)."""
+    one CUDA graph per bucket (module docstring). group: the process group whose ranks
+    average the gradients in the graph (None: one process)."""
 
-    def __init__(self, graphed: GraphedHSTU, optimizer: torch.optim.Optimizer):
+    def __init__(self, graphed: GraphedHSTU, optimizer: torch.optim.Optimizer, group=None):
         if not all(g["capturable"] for g in optimizer.param_groups):
             raise ValueError("GraphedTrainingStep needs an optimizer made with capturable=True")
-        self.graphed, self.optimizer = graphed, optimizer
+        self.graphed, self.optimizer, self.group = graphed, optimizer, group
         self.buckets: dict[tuple, _Bucket] = {}  # (rows, autocast dtype, items, temperature) -> its bucket
         self._state, self._hyper = None, None  # the optimizer's state and hyperparameters the graphs hold
 
@@ -65,21 +86,27 @@ class GraphedTrainingStep:
         returned the loss, the gradient of x and that of item_emb (views of the graph's
         buffers: read them before the next call). None where no graph serves (evaluation,
         CPU tensors, a batch larger than the buckets, no rows): the caller runs the step
-        itself."""
+        itself (and, under several processes, averages the gradients by average_gradients).
+        The graphs are captured at the first training call on the GPU whatever its batch,
+        and again after a change of the optimizer's state or hyperparameters: each the same
+        step on every rank."""
         g = self.graphed
-        if not g.graphable(x, offsets) or not x.shape[0]:
+        if not g.training_call(x):
             return None
         hyper = tuple(tuple(group[k] for k in HYPERPARAMETERS) for group in self.optimizer.param_groups)
         if self._state is not self.optimizer.state or self._hyper != hyper:
             self.buckets.clear()  # graphs of other state tensors or constants
             self._state, self._hyper = self.optimizer.state, hyper
-        P, rows, dtype = x.shape[0], g.rows_for(x.shape[0]), autocast_dtype()
+        dtype = autocast_dtype()
 
         def key(rows: int) -> tuple:
             return rows, dtype, item_emb.shape[0], temperature
 
-        if key(rows) not in self.buckets:
+        if key(g.sizes[-1]) not in self.buckets:  # (every bucket is captured at once)
             self._capture_all(key, x, timestamps, offsets, item_emb, target_index, dtype, temperature)
+        if not g.graphable(x, offsets) or not x.shape[0]:
+            return None
+        P, rows = x.shape[0], g.rows_for(x.shape[0])
         b = self.buckets[key(rows)]
         px, pts, poff = g.padded(x.detach(), timestamps, offsets, rows)
         b.x.detach().copy_(px)
@@ -111,7 +138,9 @@ class GraphedTrainingStep:
                 torch.cuda.current_stream().wait_stream(side)
                 self._restore(saved)
                 b.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(b.graph, pool=pool):
+                # (several processes: the process group's watchdog thread queries the events
+                # of collectives enqueued before the capture, which a global capture forbids)
+                with torch.cuda.graph(b.graph, pool=pool, capture_error_mode="thread_local" if self.group is not None else "global"):
                     b.loss = self._step(module, b).detach()  # (no autograd graph kept alive past the capture)
                 b.weight_grads = [p.grad for p in self._params()]
                 self.buckets[key(rows)] = b
@@ -122,8 +151,16 @@ class GraphedTrainingStep:
         b.x.grad = b.item_emb.grad = None
         loss = module(b.x, b.timestamps, b.offsets, b.item_emb, b.target_index)
         loss.backward()
+        self.average_gradients()
         self.optimizer.step()
         return loss
+
+    def average_gradients(self) -> None:
+        """Under several processes, the weights' gradients averaged over the ranks as the
+        graphs do it: in a graph, or eagerly after a step no graph serves (the same one
+        all-reduce). Nothing under one process."""
+        if self.group is not None:
+            average_gradients(self._params(), self.group)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]

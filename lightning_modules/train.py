@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="each block's work around the attention through torch.compile (default: the preset's setting)")
     p.add_argument("--layer-norm-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' layer norms through kernels.layer_norm (default: the preset's setting)")
+    p.add_argument("--ddp-step-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="under DDP on GPUs, the whole dense step in one CUDA graph, the gradients' all-reduce in it (default: the preset's setting)")
     p.add_argument("--item-features", action=argparse.BooleanOptionalAction, default=None,
                    help="pool each item's genres (items.parquet) into its embedding (default: the preset's setting)")
     p.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
@@ -90,7 +92,7 @@ def model_config(args, catalog_size: int):
         return SASRecConfig(num_items=catalog_size, **{k: v for k, v in given.items() if v is not None})
     return preset(args.preset).override(
         num_negatives=args.num_negatives, item_features=args.item_features, cuda_graph_buckets=args.cuda_graph_buckets,
-        compile_blocks=args.compile_blocks, layer_norm_kernel=args.layer_norm_kernel, **given
+        compile_blocks=args.compile_blocks, layer_norm_kernel=args.layer_norm_kernel, ddp_step_graph=args.ddp_step_graph, **given
     )
 
 

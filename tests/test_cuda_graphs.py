@@ -19,7 +19,7 @@ from lightning_modules.datasets import prepare
 from lightning_modules.hstu import HSTU
 from lightning_modules.losses import catalog_softmax_loss, padded_catalog_softmax_loss
 from lightning_modules.model_files import load_model
-from lightning_modules.module import HSTULightningModule
+from lightning_modules.module import STEP_GRAPH_UNDER_DDP, HSTULightningModule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIG = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, embedding_dim=16, max_seq_len=12, dropout=0.0)
@@ -180,33 +180,38 @@ def test_training_through_the_graphs_follows_training_without_them(tmp_path):
     torch.testing.assert_close(graphed, plain, atol=0.05, rtol=0.02, msg=lambda m: f"{m}\ngraphed {graphed.tolist()}\nplain {plain.tolist()}")
 
 
-def train_two_processes(data: Path, out: Path, buckets: int) -> dict[str, torch.Tensor]:
-    """The training worker under torchrun, two processes (float32, no dropout, 8 steps):
-    the dense weights it saves."""
+def train_two_processes(data: Path, out: Path, buckets: int, *extra: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The training worker under torchrun, two processes (float32, no dropout, 8 steps),
+    with `extra` arguments: the dense weights it saves, and its output."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(root))
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lightning_modules.train",
          "--data-dir", str(data), "--out-dir", str(out), "--max-steps", "8", "--batch-size", "64", "--max-seq-len", "50",
          "--dropout", "0", "--precision", "32-true", "--cuda-graph-buckets", str(buckets), "--val-users", "32",
-         "--no-progress-bar"],
-        check=True, env=env, cwd=root,
+         "--no-progress-bar", *extra],
+        env=env, cwd=root, capture_output=True, text=True,
     )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     model, _, _ = load_model(out / "model")
-    return {n: t.detach() for n, t in model.state_dict().items()}
+    return {n: t.detach() for n, t in model.state_dict().items()}, done.stdout + done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP over two GPUs")
 def test_ddp_training_through_the_graphs_follows_training_without_them(tmp_path):
-    """Two processes on two GPUs under DDP, with and without graphs, same seed and batches:
-    the weights trained agree, far closer than either is to where training started (a
-    gradient all-reduce lost under the graphs would leave each rank on its own batches)."""
+    """Two processes on two GPUs under DDP, without graphs, with the model's graphs (DDP's
+    all-reduce outside them) and with the step graphs (the all-reduce captured in them),
+    same seed and batches: the weights trained agree, far closer than either is to where
+    training started (a gradient all-reduce lost under the graphs would leave each rank on
+    its own batches)."""
     prepare("synthetic", tmp_path / "data", synthetic_users=600, seed=0)
-    graphed = train_two_processes(tmp_path / "data", tmp_path / "graphed", buckets=2)
-    plain = train_two_processes(tmp_path / "data", tmp_path / "plain", buckets=0)
+    plain, _ = train_two_processes(tmp_path / "data", tmp_path / "plain", 0)
     config = load_model(tmp_path / "plain" / "model")[0].config
     L.seed_everything(config.seed, verbose=False)
     start = HSTU(config).state_dict()
-    apart = torch.cat([(graphed[n] - plain[n]).flatten() for n in plain]).norm()
     travelled = torch.cat([(plain[n] - start[n]).flatten() for n in plain]).norm()
-    assert apart < 0.02 * travelled, (float(apart), float(travelled))
+    for name, extra in (("graphed", ["--no-ddp-step-graph"]), ("step-graphed", ["--ddp-step-graph"])):
+        graphed, output = train_two_processes(tmp_path / "data", tmp_path / name, 2, *extra)
+        assert (STEP_GRAPH_UNDER_DDP in output) == (name == "step-graphed"), output[-3000:]
+        apart = torch.cat([(graphed[n] - plain[n]).flatten() for n in plain]).norm()
+        assert apart < 0.02 * travelled, (name, float(apart), float(travelled))

@@ -6,14 +6,14 @@ import copy
 
 import pytest
 import torch
-from conftest import sequence_batch
+from conftest import run_distributed, sequence_batch
 
 from lightning_modules.config import HSTUConfig
 from lightning_modules.cuda_graphs import GraphedHSTU
 from lightning_modules.hstu import HSTU
 from lightning_modules.losses import catalog_softmax_loss
 from lightning_modules.module import rows_gradient
-from lightning_modules.step_graph import GraphedTrainingStep
+from lightning_modules.step_graph import GraphedTrainingStep, average_gradients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIG = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, embedding_dim=16, max_seq_len=12, dropout=0.0)
@@ -45,6 +45,26 @@ def test_no_graph_serves_cpu_tensors():
     x, ts, offsets = sequence_batch([5, 3], CONFIG.embedding_dim, seed=0)
     assert step(x.requires_grad_(True), ts, offsets, torch.randn(ITEMS, CONFIG.embedding_dim), torch.zeros(8, dtype=torch.int64), 0.1) is None
     assert not step.buckets and not opt.state
+
+
+def _average_on_ranks(rank: int, world: int) -> None:
+    """Rank r's gradients are r + 1 times a fixed pattern (the last parameter has none on
+    rank 0): after average_gradients each is the ranks' mean, in its own shape."""
+    params = [torch.zeros(3, 2), torch.zeros(5), torch.zeros(2, 2)]
+    patterns = [torch.arange(p.numel(), dtype=torch.float32).view_as(p) - 2 for p in params]
+    for i, (p, pattern) in enumerate(zip(params, patterns)):
+        p.grad = None if (rank == 0 and i == 2) else (rank + 1) * pattern
+    average_gradients(params, group=None)  # (the default group: every rank)
+    scale = sum(range(1, world + 1)) / world
+    assert torch.equal(params[0].grad, scale * patterns[0]) and torch.equal(params[1].grad, scale * patterns[1])
+    assert torch.equal(params[2].grad, sum(range(2, world + 1)) / world * patterns[2])  # rank 0 counted zeros
+    assert all(p.grad.shape == p.shape for p in params)
+
+
+def test_gradients_are_averaged_over_the_ranks_in_one_all_reduce():
+    """The step graph's gradient averaging under several processes (two gloo processes;
+    in a graph on GPUs it is the same calls, captured)."""
+    run_distributed(2, _average_on_ranks)
 
 
 def step_outside(loss_of, opt, x, ts, offsets, items, index):
