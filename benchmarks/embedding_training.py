@@ -146,7 +146,6 @@ def main() -> None:
             rows.append(run("adam", args.iters, args.warmup, tier="host", policy=policy, profile=args.profile))
             torch.cuda.empty_cache()
         if args.per_table:
-            torch.cuda.empty_cache()
             rows.append(run("adam", args.iters, args.warmup, tier="host", per_table=True))
     print(f"\n{torch.cuda.get_device_name()}: forward + backward + update, ms per iteration")
     print(f"{'optimizer':<10}{'policy':<10}{'tier':<6}{'path':<12}{'mean':>8}{'host':>8}{'GB moved':>10}   published (H100)")

@@ -50,9 +50,13 @@ def rows_for(name: str, rows: int, dim: int) -> list[dict]:
     for impl, fn in impls.items():
         torch.testing.assert_close(fn(x, weight, bias), want, atol=1e-4, rtol=1e-4)
         leaves = [t.detach().requires_grad_(True) for t in (x, weight, bias)]
+
+        def forward_backward():
+            return torch.autograd.grad(fn(*leaves), leaves, grad)
+
         forward = timed(lambda: fn(x, weight, bias))
-        both = timed(lambda: torch.autograd.grad(fn(*leaves), leaves, grad))
-        graphed = timed(replayed(lambda: torch.autograd.grad(fn(*leaves), leaves, grad)))
+        both = timed(forward_backward)
+        graphed = timed(replayed(forward_backward))
         out.append({"shape": name, "rows": rows, "dim": dim, "impl": impl, "forward_ms": forward,
                     "forward_GBps": 2 * x.numel() * x.element_size() / forward / 1e6, "forward_backward_ms": both,
                     "forward_backward_graph_ms": graphed})

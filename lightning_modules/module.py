@@ -133,12 +133,12 @@ class HSTULightningModule(L.LightningModule):
                 loss, x_grad, emb_grad = done
                 rows.backward(rows_gradient(rows, sources, x_grad, emb_grad))  # to the looked-up rows (and genres)
                 return self._step(loss, looked, batch, dense_done=True)
-        if targets.numel() and negatives is self.catalog:
-            if self.graphed is not None:
-                loss = self.graphed.catalog_loss(*inputs, neg_rows, index, self.config.temperature)
-            else:
-                loss = catalog_softmax_loss(self.model(*inputs), neg_rows, index, self.config.temperature)
-            return self._step(loss, looked, batch)
+            if targets.numel():
+                if self.graphed is not None:
+                    loss = self.graphed.catalog_loss(*inputs, neg_rows, index, self.config.temperature)
+                else:
+                    loss = catalog_softmax_loss(self.model(*inputs), neg_rows, index, self.config.temperature)
+                return self._step(loss, looked, batch)
         out = (self.graphed or self.model)(*inputs)  # (targets, D)
         if targets.numel():
             loss = sampled_softmax_loss(out, seq_rows[targets], ids[targets], neg_rows, negatives, self.config.temperature)
