@@ -210,6 +210,10 @@ class HSTULightningModule(L.LightningModule):
     def on_train_start(self) -> None:
         defer_sigterm_broadcast(self.trainer)  # the ranks agree on a SIGTERM without a host wait per step
 
+    def on_train_end(self) -> None:
+        if self.step_graph is not None and self.step_graph.group is not None:
+            self.step_graph.release()  # its graphs hold NCCL's collectives: gone before the process group
+
     def on_train_epoch_start(self) -> None:
         self._last_logged, self._samples = None, 0  # the first step's time includes data start-up
         self.items.set_epoch(self.current_epoch)  # the epoch_* eviction policies

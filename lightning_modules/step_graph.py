@@ -17,6 +17,11 @@ off (the caller turns its gradient sync off), and a step no graph serves average
 gradients with the same one all-reduce (`average_gradients`), so every rank issues the
 same collectives in the same order whichever of its steps a graph serves. For the same
 reason every rank captures at the same step, also one whose own batch no graph serves.
+A graph that holds a collective must be destroyed before its process group: NCCL's
+teardown of a communicator waits for every graph that captured one of its collectives
+to go, so a graph still alive then hangs the process at its exit. `release` drops the
+graphs (the training module calls it when training ends), and an exit handler does it
+where training never got there.
 
 The update in the graph is the optimizer's own step (a capturable AdamW), captured with
 the weights' gradients in the graph's buffers. Outside the graph no weight has a .grad,
@@ -27,6 +32,8 @@ state's tensors and the hyperparameters of the moment it was captured: after a
 load_state_dict of the optimizer (new state tensors) or a change of a hyperparameter, the
 next call captures again.
 """
+import atexit
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +83,8 @@ class GraphedTrainingStep:
         self.graphed, self.optimizer, self.group = graphed, optimizer, group
         self.buckets: dict[tuple, _Bucket] = {}  # (rows, autocast dtype, items, temperature) -> its bucket
         self._state, self._hyper = None, None  # the optimizer's state and hyperparameters the graphs hold
+        if group is not None:  # (before the process group's own teardown, which exit handlers made earlier do)
+            atexit.register(_release_if_alive, weakref.ref(self))
 
     def __call__(
         self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, item_emb: torch.Tensor,
@@ -155,6 +164,13 @@ class GraphedTrainingStep:
         self.optimizer.step()
         return loss
 
+    def release(self) -> None:
+        """Drops every graph (module docstring: before the process group goes); a later
+        training call captures them again. A replay still running completes first (CUDA
+        frees a graph in flight when it is done)."""
+        self.buckets.clear()
+        self._state = self._hyper = None
+
     def average_gradients(self) -> None:
         """Under several processes, the weights' gradients averaged over the ranks as the
         graphs do it: in a graph, or eagerly after a step no graph serves (the same one
@@ -182,3 +198,8 @@ class GraphedTrainingStep:
                     v.copy_(state[p][k])
                 elif torch.is_tensor(v):
                     v.zero_()
+
+
+def _release_if_alive(step: weakref.ref) -> None:
+    if (alive := step()) is not None:
+        alive.release()

@@ -2,6 +2,7 @@
 every real row's output and every gradient (CPU), and the graphs replay what the model
 computes (GPU)."""
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from lightning_modules.module import STEP_GRAPH_UNDER_DDP, HSTULightningModule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIG = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, embedding_dim=16, max_seq_len=12, dropout=0.0)
+TWO_PROCESS_TRAINING_S = 300  # one 8-step run takes about 90 s on an H200, start-up and compilation included
 
 
 def batch(lengths, seed, device="cpu"):
@@ -185,16 +187,22 @@ def train_two_processes(data: Path, out: Path, buckets: int, *extra: str) -> tup
     with `extra` arguments: the dense weights it saves, and its output."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(root))
-    done = subprocess.run(
+    run = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lightning_modules.train",
          "--data-dir", str(data), "--out-dir", str(out), "--max-steps", "8", "--batch-size", "64", "--max-seq-len", "50",
          "--dropout", "0", "--precision", "32-true", "--cuda-graph-buckets", str(buckets), "--val-users", "32",
          "--no-progress-bar", *extra],
-        env=env, cwd=root, capture_output=True, text=True,
+        env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    try:
+        output, _ = run.communicate(timeout=TWO_PROCESS_TRAINING_S)
+    except subprocess.TimeoutExpired:  # (a process that never exits: the ranks too, not torchrun alone)
+        os.killpg(run.pid, signal.SIGKILL)
+        output, _ = run.communicate()
+        pytest.fail(f"two-process training did not end within {TWO_PROCESS_TRAINING_S} s:\n{output[-3000:]}")
+    assert run.returncode == 0, output[-6000:]
     model, _, _ = load_model(out / "model")
-    return {n: t.detach() for n, t in model.state_dict().items()}, done.stdout + done.stderr
+    return {n: t.detach() for n, t in model.state_dict().items()}, output
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP over two GPUs")
