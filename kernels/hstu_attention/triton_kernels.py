@@ -26,12 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..autotune import TunedLaunches, autotuned, interpreting
+from ..autotune import TunedLaunches, autotuned
 from ..launch import cdiv, next_power_of_2
 from .reference import time_bucket_edges
-from .time_buckets import (
-    _gap_bucket, _tile_buckets, _tile_extremes, _two_bucket_blocks, bucket_thresholds, timestamp_extremes,
+from .tiles import (
+    _allowed, _attend, _biased_scores, _biases, _head_rows, _key_ranges, _load_head_rows, _program_block, _query_ranges,
+    _row_block, _sigmoid, _two_bucket_run,
 )
+from .time_buckets import _tile_buckets, _tile_extremes, bucket_thresholds, timestamp_extremes
 
 # blocks of query and key rows, warps and pipeline stages, tuned per head dims and length
 CONFIGS = [
@@ -47,187 +49,10 @@ LARGEST_BLOCK = max(max(c.kwargs.values()) for c in CONFIGS)  # the timestamp ex
 TWO_BUCKET_MIN_LENGTH = 1024
 TUNING_KEY = ["DQK", "DV", "length_class"]  # length_class: max_seq_len's power of two
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
-# On a GPU, for 16-bit inputs, the hardware's tanh (relative error about 2^-11, below those
-# inputs' rounding) for the sigmoid in one instruction instead of an exp and a division.
-# The interpreter has none.
-_FAST_MATH = tl.constexpr(not interpreting())
 # The dQ kernel adds the biases' gradients into this many copies of each, a program into
 # copy (its linear id mod this), summed after the launch: with one copy, programs adding at
 # the same positions or buckets at once wait on each other's atomic adds.
 BIAS_GRAD_COPIES = tl.constexpr(64)
-
-
-@triton.jit
-def _sigmoid(x, scale, SIXTEEN_BIT: tl.constexpr):
-    """scale · sigmoid(x) (the scale joins the tanh form's one multiply-add)."""
-    if _FAST_MATH and SIXTEEN_BIT:
-        tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=tl.float32, is_pure=True, pack=1)
-        half = 0.5 * scale
-        return half * tanh + half
-    return tl.sigmoid(x) * scale
-
-
-@triton.jit
-def _biases(
-    rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
-    TWO_BUCKETS: tl.constexpr,
-):
-    """(float32 sum of both biases, each pair's position index, its time bucket) of query
-    rows `rows` against key rows `cols` of one sequence; t_rows, t_cols: their float64
-    timestamp offsets. TWO_BUCKETS, a tile whose gaps span two buckets at most
-    (time_buckets._tile_buckets): the time bias is `high` where a pair's gap reaches
-    `threshold`, else `low`, and the third value says which."""
-    # j - i + max_seq_len - 1, with rows and columns (past a sequence's end too) kept below
-    # max_seq_len so that it stays inside the table: an add per pair
-    rel = tl.minimum(cols, max_seq_len - 1)[None, :] + (max_seq_len - 1 - tl.minimum(rows, max_seq_len - 1))[:, None]
-    gap = tl.abs(t_rows[:, None] - t_cols[None, :])
-    if TWO_BUCKETS:
-        bucket = gap >= threshold
-        bias = tl.load(position_ptr + rel).to(tl.float32) + tl.where(bucket, high, low)
-    else:
-        bucket = _gap_bucket(gap, edges_ptr, num_buckets)
-        bias = tl.load(position_ptr + rel).to(tl.float32) + tl.load(time_ptr + bucket).to(tl.float32)
-    return bias, rel, bucket
-
-
-@triton.jit
-def _biased_scores(
-    q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
-    TWO_BUCKETS: tl.constexpr,
-):
-    """(float32 scores q · kᵀ plus both biases, each pair's position index, its time
-    bucket): _biases with the product."""
-    bias, rel, bucket = _biases(
-        rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
-        TWO_BUCKETS,
-    )
-    return tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + bias, rel, bucket
-
-
-@triton.jit
-def _allowed(rows, cols, n, history_end, context_len):
-    """Whether each query row attends to each key row (reference.py's masks)."""
-    in_history = cols[None, :] < history_end
-    allowed = tl.where(
-        rows[:, None] < context_len, in_history,
-        tl.where(rows[:, None] < history_end, cols[None, :] <= rows[:, None], in_history | (cols[None, :] == rows[:, None])),
-    )
-    return allowed & (rows[:, None] < n) & (cols[None, :] < n)
-
-
-@triton.jit
-def _sequence(offsets_ptr, targets_ptr, timestamps_ptr, b, HAS_TARGETS: tl.constexpr):
-    """(start, length, history end, first timestamp) of sequence b."""
-    start = tl.load(offsets_ptr + b)
-    n = (tl.load(offsets_ptr + b + 1) - start).to(tl.int32)
-    history_end = n
-    if HAS_TARGETS:
-        history_end = n - tl.load(targets_ptr + b).to(tl.int32)
-    return start, n, history_end, tl.load(timestamps_ptr + start, mask=n > 0, other=0)
-
-
-@triton.jit
-def _head_rows(ptr, start, idx, live, heads, h, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(pointers, mask) of rows start + idx (where live) of head h of a (total, heads,
-    WIDTH) tensor, BLOCK_D columns (those past WIDTH masked)."""
-    cols = tl.arange(0, BLOCK_D)
-    at = ptr + ((start + idx) * heads + h)[:, None] * WIDTH + cols[None, :]
-    if WIDTH == BLOCK_D:
-        return at, tl.broadcast_to(live[:, None], (idx.shape[0], BLOCK_D))
-    return at, live[:, None] & (cols[None, :] < WIDTH)
-
-
-@triton.jit
-def _load_head_rows(ptr, start, idx, live, heads, h, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows start + idx of head h of a (total, heads, WIDTH) tensor, zeros where not live
-    and past WIDTH."""
-    at, mask = _head_rows(ptr, start, idx, live, heads, h, WIDTH, BLOCK_D)
-    return tl.load(at, mask=mask, other=0)
-
-
-@triton.jit
-def _row_block(
-    a_ptr, b_ptr, timestamps_ptr, start, t0, first, n, heads, h, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-):
-    """Rows first .. first + BLOCK - 1 of a sequence of n rows at `start`: (their indices,
-    which are live, their head-h rows of a and of b, their timestamps as float64 offsets
-    from t0). A key block's a and b are K and V; a query block's, Q and dO."""
-    idx = first + tl.arange(0, BLOCK)
-    live = idx < n
-    a = _load_head_rows(a_ptr, start, idx, live, heads, h, A_WIDTH, BLOCK_A)
-    b = _load_head_rows(b_ptr, start, idx, live, heads, h, B_WIDTH, BLOCK_B)
-    t = (tl.load(timestamps_ptr + start + idx, mask=live, other=t0) - t0).to(tl.float64)
-    return idx, live, a, b, t
-
-
-@triton.jit
-def _program_block(
-    offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK: tl.constexpr, HAS_TARGETS: tl.constexpr, GROUP: tl.constexpr = 1,
-):
-    """(this program's first row, (first) head, sequence, its sequence's start, length,
-    history end and first timestamp); a program takes GROUP consecutive heads."""
-    groups = heads // GROUP
-    b = tl.program_id(1) // groups
-    start, n, history_end, t0 = _sequence(offsets_ptr, targets_ptr, timestamps_ptr, b, HAS_TARGETS)
-    return tl.program_id(0) * BLOCK, tl.program_id(1) % groups * GROUP, b, start, n, history_end, t0
-
-
-@triton.jit
-def _live_range(t, live):
-    """(least, greatest) of t where live."""
-    return tl.min(tl.where(live, t, float("inf")), axis=0), tl.max(tl.where(live, t, float("-inf")), axis=0)
-
-
-@triton.jit
-def _two_bucket_run(
-    ext_ptr, ext_blocks, b, t, live, first, end, edges_ptr, num_buckets, BLOCK: tl.constexpr, FROM_START: tl.constexpr,
-    TWO_BUCKET_TILES: tl.constexpr,
-):
-    """For a program's rows of sequence b (timestamps t where live) and the unmasked blocks
-    of BLOCK rows they meet, rows `first` (a multiple of BLOCK, or `end`) to `end`: (the
-    row where the run of those blocks whose tiles span two time buckets at most ends
-    (FROM_START: the run from `first`) or starts (else: the run to `end`), the run empty
-    without TWO_BUCKET_TILES; the rows' least and greatest timestamp; the sequence's first
-    extremes entry)."""
-    lo, hi = _live_range(t, live)
-    entry = b * ext_blocks
-    split = first if FROM_START else end
-    if TWO_BUCKET_TILES:
-        split = tl.minimum(_two_bucket_blocks(
-            ext_ptr, entry, tl.cdiv(first, BLOCK), tl.cdiv(end, BLOCK), lo, hi, edges_ptr, num_buckets, BLOCK, FROM_START,
-        ) * BLOCK, end)
-    return split, lo, hi, entry
-
-
-@triton.jit
-def _key_ranges(m0, n, history_end, context_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """For the query rows m0 .. m0 + BLOCK_M - 1: (the end of the key blocks that every one
-    of them attends to in full, the end of the keys any of them attends to)."""
-    causal_end = tl.minimum(m0 + BLOCK_M, n)
-    end = tl.where(m0 < context_len, tl.maximum(history_end, causal_end), tl.maximum(causal_end, 0))
-    full = tl.minimum(m0 + 1, history_end) // BLOCK_N * BLOCK_N
-    return full, end
-
-
-@triton.jit
-def _query_ranges(n0, n, history_end, context_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """For the key rows n0 .. n0 + BLOCK_N - 1: (the first query block that may attend to
-    them, the first from which every block attends to all of them)."""
-    # query rows before the block attend to it only from the context (rows < context_len)
-    first = tl.where(context_len > 0, 0, (n0 // BLOCK_M) * BLOCK_M)
-    full = tl.where(n0 + BLOCK_N <= history_end, tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n)
-    return first, tl.maximum(full, first)
-
-
-@triton.jit
-def _attend(acc, q, k, v, bias, allowed, scale, MASKED: tl.constexpr):
-    """acc plus one head's tile: SiLU(q · kᵀ + bias) · scale (where allowed) · v."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + bias
-    a = s * _sigmoid(s, scale, v.dtype != tl.float32)
-    if MASKED:
-        a = tl.where(allowed, a, 0.0)
-    return acc + tl.dot(a.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else "tf32")
 
 
 @triton.jit
