@@ -83,7 +83,7 @@ class GraphedTrainingStep:
         self.graphed, self.optimizer, self.group = graphed, optimizer, group
         self.buckets: dict[tuple, _Bucket] = {}  # (rows, autocast dtype, items, temperature) -> its bucket
         self._state, self._hyper = None, None  # the optimizer's state and hyperparameters the graphs hold
-        if group is not None:  # (before the process group's own teardown, which exit handlers made earlier do)
+        if group is not None:  # exit handlers run last-registered first: this one before Lightning's process group teardown
             atexit.register(_release_if_alive, weakref.ref(self))
 
     def __call__(
@@ -169,7 +169,6 @@ class GraphedTrainingStep:
         training call captures them again. A replay still running completes first (CUDA
         frees a graph in flight when it is done)."""
         self.buckets.clear()
-        self._state = self._hyper = None
 
     def average_gradients(self) -> None:
         """Under several processes, the weights' gradients averaged over the ranks as the
