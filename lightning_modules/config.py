@@ -54,9 +54,9 @@ class HSTUConfig:
     # state keys either way
     layer_norm_kernel: bool = True
     # under DDP over NCCL, the whole dense step in one CUDA graph per bucket as with one
-    # process, the gradients' all-reduce captured in it (step_graph.py). Off until it has run
-    # on two GPUs (tests/test_cuda_graphs.py's two-process test, benchmarks/scaling.py)
-    ddp_step_graph: bool = False
+    # process, the gradients' all-reduce captured in it (step_graph.py); off: the model's
+    # graphs with DDP's hooks and all-reduce between them (benchmarks/scaling.md compares)
+    ddp_step_graph: bool = True
 
     def embedding_config(self) -> EmbeddingConfig:
         return EmbeddingConfig(
@@ -87,7 +87,6 @@ class HSTUConfig:
         d.setdefault("balanced_batches", True)
         d.setdefault("compile_blocks", False)
         d.setdefault("layer_norm_kernel", False)  # (what those configs computed with)
-        d.setdefault("ddp_step_graph", False)
         return HSTUConfig(**d)
 
     def override(self, **changes) -> "HSTUConfig":
