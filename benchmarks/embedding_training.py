@@ -21,7 +21,9 @@ other eviction settings too: lfu (scores counting uses), admission (a new id get
 on its second sighting), with every row on the GPU and, with --host-tier, tiered; the path
 column says whether the collection grouped them.
 "GB moved": rows moved between the tiers per iteration (promotions and demotions), times
-the row's bytes (embedding and Adam state); --profile prints each run's kernels by GPU time.
+the row's bytes (embedding and Adam state); --profile prints the kernels of 10 more
+iterations (fresh batches, after the timed ones) by GPU time, their time beside the
+iterations', and with --trace writes their host and device timelines.
 """
 import argparse
 import sys
@@ -56,6 +58,7 @@ POLICIES = {"lru": {}, "lfu": {"eviction": "lfu"}, "admission": {"admission_thre
 
 def run(
     optimizer: str, iters: int, warmup: int, tier: str = "hbm", per_table: bool = False, policy: str = "lru", profile: bool = False,
+    trace: str | None = None,
 ) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = EmbeddingConfig(
@@ -71,7 +74,8 @@ def run(
         for _ in range(config.admission_threshold):  # seen often enough to be admitted
             tables.lookup({n: chunk for n in names})
     grads = {n: torch.randn(IDS, DIM, device="cuda", generator=gen) for n in names}
-    batches = [{n: power_law_ids(IDS, CAPACITY, ALPHA, gen) for n in names} for _ in range(warmup + iters + 1)]
+    profiled = PROFILED_STEPS if profile else 0
+    batches = [{n: power_law_ids(IDS, CAPACITY, ALPHA, gen) for n in names} for _ in range(warmup + iters + profiled + 1)]
 
     def step(i: int) -> None:
         ids = batches[i]
@@ -103,18 +107,31 @@ def run(
     issue = time.perf_counter() - issue
     end.record()
     torch.cuda.synchronize()
+    ms_mean = start.elapsed_time(end) / iters
     stats = tables.stats()
     moves = (moved() - moved_before) / iters
-    if profile:  # the GPU's time per kernel over PROFILED_STEPS more iterations
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for i in range(warmup, warmup + PROFILED_STEPS):
+    if profile:  # the GPU's time per kernel over PROFILED_STEPS more iterations, on fresh batches
+        label = f"{tier}_{policy}_{'one-by-one' if per_table else 'grouped'}"
+        activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace else [])
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.profiler.profile(activities=activities) as prof:
+            first.record()
+            for i in range(warmup + iters, warmup + iters + profiled):
                 step(i)
+            last.record()
             torch.cuda.synchronize()
-        print(f"{tier} {'one by one' if per_table else 'grouped'}, {PROFILED_STEPS} iterations:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        averages = prof.key_averages()
+        kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]  # (not the host ops that launched them)
+        busy = sum(e.self_device_time_total for e in kernels) / 1e3 / profiled
+        print(f"{label}, {profiled} iterations: {first.elapsed_time(last) / profiled:.2f} ms each, "
+              f"kernels and copies {busy:.2f} ms of it")
+        print(averages.table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        if trace:
+            Path(trace).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(trace) / f"{label}.json"))
     return {
         "optimizer": optimizer, "tables": TABLES, "capacity": CAPACITY, "ids_per_table": IDS, "dim": DIM, "alpha": ALPHA,
-        "iterations": iters, "ms_mean": start.elapsed_time(end) / iters, "host_issue_ms": issue * 1e3 / iters, "tier": tier,
+        "iterations": iters, "ms_mean": ms_mean, "host_issue_ms": issue * 1e3 / iters, "tier": tier,
         "policy": policy, "path": "one by one" if per_table or tables.single else "grouped",
         "rows_per_table_after": sum(s.size for s in stats.values()) / TABLES,
         "tier_moves_per_iter": moves, "tier_gb_per_iter": moves * config.row_bytes() / 1e9,
@@ -129,6 +146,7 @@ def main() -> None:
     p.add_argument("--per-table", action="store_true", help="also time the tables called one by one")
     p.add_argument("--policies", nargs="+", default=["lru"], choices=sorted(POLICIES), help="eviction settings to time")
     p.add_argument("--profile", action="store_true", help="print each run's kernels by GPU time")
+    p.add_argument("--trace", metavar="DIR", help="with --profile: host and device timelines of the profiled iterations, Chrome traces in DIR")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/embedding_training_<gpu>.json)")
@@ -136,14 +154,14 @@ def main() -> None:
     rows = []
     for o in args.optimizer:
         for policy in args.policies:
-            rows.append(run(o, args.iters, args.warmup, policy=policy))
+            rows.append(run(o, args.iters, args.warmup, policy=policy, profile=args.profile, trace=args.trace))
             torch.cuda.empty_cache()
         if args.per_table:
             rows.append(run(o, args.iters, args.warmup, per_table=True))
             torch.cuda.empty_cache()
     if args.host_tier:
         for policy in args.policies:
-            rows.append(run("adam", args.iters, args.warmup, tier="host", policy=policy, profile=args.profile))
+            rows.append(run("adam", args.iters, args.warmup, tier="host", policy=policy, profile=args.profile, trace=args.trace))
             torch.cuda.empty_cache()
         if args.per_table:
             rows.append(run("adam", args.iters, args.warmup, tier="host", per_table=True))
