@@ -82,6 +82,35 @@ def test_collection_trains_like_its_tables_one_by_one(steps):
         assert coll[name].step == alone[name].step
 
 
+@pytest.mark.parametrize("policy", ["lfu", "epoch_lfu"])
+def test_a_group_of_one_counting_policy_scores_as_its_tables(policy):
+    """A group whose members all count uses (the claim's scores computed for all at once,
+    with no per-lane choice among policies) stores the same counts and trains the same
+    rows as each table alone, across epochs."""
+    kw = dict(dim=8, optimizer=ADAM, bucket_size=8, backend="triton", capacity=16, max_capacity=1 << 10, eviction=policy)
+    cfg = {"a": EmbeddingConfig(**kw), "b": EmbeddingConfig(**kw, seed=1)}
+    coll = DynamicEmbeddingCollection(cfg, DEVICE)
+    assert [g.names for g in coll.groups] == [["a", "b"]]
+    alone = {n: DynamicEmbedding(c, DEVICE) for n, c in cfg.items()}
+    gen = torch.Generator().manual_seed(0)
+    for step in range(8):
+        coll.set_epoch(step // 3)
+        for e in alone.values():
+            e.epoch = step // 3
+        ids = {n: torch.randint(-40, 40, (50,), generator=gen).to(DEVICE) for n in cfg}
+        grads = {n: torch.randn(50, 8, generator=gen).to(DEVICE) for n in cfg}
+        got = coll.lookup(ids)
+        coll.apply_gradients(ids, grads)
+        for n in cfg:
+            torch.testing.assert_close(got[n], alone[n].lookup(ids[n]), rtol=1e-5, atol=1e-6)
+            alone[n].apply_gradients(ids[n], grads[n])
+    for n in cfg:
+        assert_same_rows(coll[n], alone[n])
+        assert coll[n].stats() == alone[n].stats(), n
+    counts = coll["a"].export_rows()[3]
+    assert int(counts.max() & 0xFFFFFFFF) > 1  # ids seen more than once hold counts above one
+
+
 @settings(max_examples=8, deadline=None)
 @given(batches=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 2**31 - 1)), min_size=1, max_size=6))
 def test_evicting_collection_keeps_the_tables_promises(batches):

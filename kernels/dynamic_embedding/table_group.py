@@ -135,8 +135,11 @@ class TableGroup:
         self._admits = _to_device([m.counters is not None for m in members], torch.int8, self.device)
         self._thresholds = _to_device([m.config.admission_threshold for m in members], torch.int64, self.device)
         # how each member scores ids in the claim (a read-only member: its step score, never)
-        self._score_codes = _to_device([STEP_SCORED if m.config.read_only else POLICY_CODES.get(p, STEP_SCORED)
-                                        for m, p in zip(members, self._policies)], torch.int64, self.device)
+        codes = [STEP_SCORED if m.config.read_only else POLICY_CODES.get(p, STEP_SCORED) for m, p in zip(members, self._policies)]
+        self._score_codes = _to_device(codes, torch.int64, self.device)
+        # the members' one code where they share it: _key_scores then takes it alone, with
+        # no per-lane choice among the codes and no copy of per-member scores to the device
+        self._uniform_code = codes[0] if len(set(codes)) == 1 else None
         # members count into rows of one tensor, so one add serves them all
         self._counts = torch.stack([m._counts for m in members])
         for i, m in enumerate(members):
@@ -214,12 +217,17 @@ class TableGroup:
         same within the epoch (the epoch in the high 32 bits); custom: the highest of its
         copies' given scores; read-only tables: int64 min (the claim never lowers a score)."""
         never = torch.iinfo(torch.int64).min
+        tids, old, uses = stored.tids, stored.old, stored.uses
+        if self._uniform_code == LFU:
+            return old + uses
+        epochs = {m.epoch for m in self.members}
+        if self._uniform_code == EPOCH_LFU and len(epochs) == 1:
+            return epoch_use_score(old, uses, epochs.pop())
         # per member, as of this call: its step score (never: read-only) and its epoch
         per_table = _to_device([
             [never if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0) for m, p in zip(self.members, self._policies)],
             [m.epoch for m in self.members],
         ], torch.int64, self.device)
-        tids, old, uses = stored.tids, stored.old, stored.uses
         code = self._score_codes[tids]
         scores = per_table[0][tids]
         if self.counting:
