@@ -18,8 +18,10 @@ GPU, the rest in pinned host memory (worked in place by GPU kernels), the next b
 rows prefetched in each iteration (the collection's prefetch; one by one, each table's); its tables are filled the same way, in smaller
 lookups (a lookup's new ids must fit the device tier). --policies times the step with
 other eviction settings too: lfu (scores counting uses), admission (a new id gets a row
-on its second sighting), with every row on the GPU and, with --host-tier, tiered; the path
-column says whether the collection grouped them.
+on its second sighting), with every row on the GPU and, with --host-tier, tiered; and
+lfu_promote (lfu with promote_on_miss: every id missing from the device tier moves up,
+the least used row down), tiered only. The path column says whether the collection
+grouped them.
 "GB moved": rows moved between the tiers per iteration (promotions and demotions), times
 the row's bytes (embedding and Adam state); --profile prints the kernels of 10 more
 iterations (fresh batches, after the timed ones) by GPU time, their time beside the
@@ -53,7 +55,11 @@ def power_law_ids(n: int, high: int, alpha: float, gen: torch.Generator) -> torc
     return (x.floor().long() - 1).clamp(0, high - 1)
 
 
-POLICIES = {"lru": {}, "lfu": {"eviction": "lfu"}, "admission": {"admission_threshold": 2}}  # EmbeddingConfig settings
+# EmbeddingConfig settings; lfu_promote (every missed id moved up, lfu victims) only with --host-tier
+POLICIES = {
+    "lru": {}, "lfu": {"eviction": "lfu"}, "admission": {"admission_threshold": 2},
+    "lfu_promote": {"eviction": "lfu", "promote_on_miss": True},
+}
 
 
 def run(
@@ -154,6 +160,8 @@ def main() -> None:
     rows = []
     for o in args.optimizer:
         for policy in args.policies:
+            if POLICIES[policy].get("promote_on_miss"):
+                continue  # (a setting of tiered tables)
             rows.append(run(o, args.iters, args.warmup, policy=policy, profile=args.profile, trace=args.trace))
             torch.cuda.empty_cache()
         if args.per_table:

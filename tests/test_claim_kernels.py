@@ -109,9 +109,11 @@ def table_state(stack: TableStack) -> list:
     return [(t.keys.clone(), t.scores.clone(), t.digests.clone(), t.values.clone()) for t in stack.tables]
 
 
-@pytest.mark.parametrize("mode", [EVICT, GROW, KEEP, READ_ONLY])
+@pytest.mark.parametrize("mode, force", [(EVICT, False), (GROW, False), (KEEP, False), (READ_ONLY, False), (EVICT, True)])
 @pytest.mark.parametrize("tables", [1, 3])
-def test_an_uncontended_claim_equals_its_twin(mode, tables):
+def test_an_uncontended_claim_equals_its_twin(mode, force, tables):
+    """force: keys of full buckets evict whatever their own scores (a tiered table's
+    promote_on_miss)."""
     pair = stacks(mode * 10 + tables, tables, mode)
     keys, tids = uncontended_lanes(mode + tables, pair[0], 120)
     g = torch.Generator().manual_seed(tables)
@@ -123,7 +125,7 @@ def test_an_uncontended_claim_equals_its_twin(mode, tables):
     results = []
     for fn, stack in zip(CLAIMS, pair):
         counts = torch.zeros(tables, NUM_COUNTED, dtype=torch.int64, device=DEVICE)
-        out = fn(stack, keys, scores, BUCKET, tids if tables > 1 else None, counts=counts, barred=barred)
+        out = fn(stack, keys, scores, BUCKET, tids if tables > 1 else None, counts=counts, barred=barred, force=force)
         results.append((out, counts, table_state(stack)))
     (got, got_counts, got_state), (want, want_counts, want_state) = results
     slots, inserted, evicted, victim_keys, victim_scores = got
@@ -139,8 +141,29 @@ def test_an_uncontended_claim_equals_its_twin(mode, tables):
     assert bool((slots[barred & (slots >= 0)] >= 0).all()) and not bool(inserted[barred].any())  # barred: found, never stored
     if mode == EVICT:
         assert bool(evicted.any())  # the case reaches the second phase
+        assert force or not bool((evicted & (victim_scores > scores)).any())  # unforced: no victim above its key
     if mode == GROW:
         assert bool((slots == -2).any())
+
+
+@pytest.mark.parametrize("fn", CLAIMS)
+def test_a_forced_claim_evicts_rows_scored_above_its_keys(fn):
+    """A full bucket of rows scored 9 and a new key scored 1: unforced, the key is not
+    stored; forced, it takes the lowest (score, column) row and reports its victim."""
+    t = TritonHashTable(DIM, capacity=BUCKET * BUCKETS, max_capacity=BUCKET * BUCKETS, bucket_size=BUCKET, device=DEVICE)
+    candidates = torch.arange(-4000, 4000)
+    bucket = candidates[bucket_of(candidates, BUCKETS) == 0]
+    residents, newcomer = bucket[:BUCKET], bucket[BUCKET : BUCKET + 1]
+    resident_scores = torch.tensor([9, 9, 9, 7, 9, 7, 9, 9])
+    t.insert_or_assign(residents.to(DEVICE), torch.zeros(BUCKET, DIM, device=DEVICE), resident_scores.to(DEVICE))
+    stack = TableStack(t.descriptor(EVICT)[None], [t])
+    ones = torch.ones(1, dtype=torch.int64, device=DEVICE)
+    slots, inserted, evicted, _, _ = fn(stack, newcomer.to(DEVICE), ones, BUCKET)
+    assert int(slots[0]) == -1 and not bool(inserted[0]) and not bool(evicted[0])
+    slots, inserted, evicted, victim_keys, victim_scores = fn(stack, newcomer.to(DEVICE), ones, BUCKET, force=True)
+    lowest = residents[3]  # the lower of the two columns scored 7
+    assert bool(inserted[0]) and bool(evicted[0]) and int(victim_keys[0]) == int(lowest) and int(victim_scores[0]) == 7
+    assert int(t.keys[slots[0]]) == int(newcomer[0]) and int(t.scores[slots[0]]) == 1
 
 
 @pytest.mark.parametrize("n", [117, 122])

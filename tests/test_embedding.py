@@ -199,11 +199,11 @@ def test_device_tier_caches_a_host_tier_and_loses_nothing(backend, deterministic
     assert len(set(keys.tolist())) == len(keys) == s.size  # each row in one tier
 
 
-def tiny_tiered(backend: str, eviction: str = "lru") -> DynamicEmbedding:
+def tiny_tiered(backend: str, eviction: str = "lru", **overrides) -> DynamicEmbedding:
     """64 device rows in one bucket (eviction by score across the whole tier) in front of
     host memory."""
     cfg = EmbeddingConfig(dim=2, optimizer=OptimizerConfig(name="sgd"), capacity=64, bucket_size=64, max_capacity=1024,
-                          device_capacity=64, eviction=eviction, backend=backend)
+                          device_capacity=64, eviction=eviction, backend=backend, **overrides)
     return DynamicEmbedding(cfg, on(backend))
 
 
@@ -241,6 +241,34 @@ def test_lfu_counts_survive_a_trip_through_host_memory(backend):
     train_step(e, five.repeat(2))  # 3 uses before, 2 now: outranks the rows of count 4
     slot = e.table.find(five).item()
     assert slot >= 0 and e.table.scores[slot].item() == 5
+
+
+def test_promote_on_miss_gives_a_rarely_used_id_the_least_used_rows_device_slot():
+    """lfu in a tiered table: an id used once, meeting a device tier full of rows used
+    more, is kept and trained in host memory; with promote_on_miss it takes the device
+    slot of the least used row, which moves down with its row and count."""
+    held = tiny_tiered("triton", eviction="lfu")
+    promoting = tiny_tiered("triton", eviction="lfu", promote_on_miss=True)
+    new, least = torch.tensor([5], device=held.device), torch.tensor([163], device=held.device)
+    for e in (held, promoting):
+        e.lookup(torch.arange(100, 164, device=e.device))
+        e.apply_gradients(torch.arange(100, 164, device=e.device), torch.randn(64, 2, device=e.device))
+        train_step(e, torch.arange(100, 164, device=e.device).repeat(2))  # 64 rows of count 3
+        train_step(e, torch.arange(100, 163, device=e.device))  # ... all but id 163 of count 4
+    row = promoting.lookup(least, train=False)
+    for e in (held, promoting):
+        train_step(e, new)
+    assert held.table.find(new).item() == -1 and held.host.find(new).item() >= 0
+    assert held.table.find(least).item() >= 0
+    slot = promoting.table.find(new).item()
+    assert slot >= 0 and promoting.table.scores[slot].item() == 1
+    assert promoting.table.find(least).item() == -1 and promoting.host.scores[promoting.host.find(least)].item() == 3
+    torch.testing.assert_close(promoting.lookup(least, train=False), row)
+    assert (promoting.stats().promotions, promoting.stats().demotions) == (0, 1)
+    with pytest.raises(ValueError, match="promote_on_miss needs a tiered Triton table"):
+        tiny_tiered("reference", eviction="lfu", promote_on_miss=True)
+    with pytest.raises(ValueError, match="promote_on_miss applies to tiered tables"):
+        EmbeddingConfig(dim=2, promote_on_miss=True)
 
 
 def test_an_update_after_ids_changed_in_place_sums_the_ids_it_is_given():

@@ -25,6 +25,7 @@ TABLES = {
     "deterministic-triton": ("triton", dict(deterministic=True)),
     "tiered-triton": ("triton", dict(device_capacity=64)),
     "tiered-deterministic-triton": ("triton", dict(device_capacity=64, deterministic=True)),
+    "tiered-lfu-promoting-triton": ("triton", dict(device_capacity=64, eviction="lfu", promote_on_miss=True)),
     "admission-triton": ("triton", dict(admission_threshold=2)),
 }
 

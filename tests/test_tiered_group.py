@@ -3,6 +3,7 @@ against the same tables served one by one by their own DynamicEmbedding. Which r
 the device after a call depends on the order the claim meets ids (a group meets them by
 segment, a table in sorted order), so promotions and demotions may differ; everything a
 user reads (lookups, rows in either tier, the other statistics) is the same."""
+import pytest
 import torch
 from conftest import assert_same_rows
 
@@ -15,16 +16,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DIM, DEVICE_ROWS = 4, 32
 
 
-def configs() -> dict[str, EmbeddingConfig]:
+def configs(promote_on_miss: bool = False) -> dict[str, EmbeddingConfig]:
+    """Every eviction policy, a read-only member and (not with promote_on_miss, which a
+    table with admission refuses) an admitting one."""
     kw = dict(dim=DIM, optimizer=OptimizerConfig("adam", lr=0.1), bucket_size=8, backend="triton", capacity=16,
-              max_capacity=1 << 10, device_capacity=DEVICE_ROWS)
-    return {
+              max_capacity=1 << 10, device_capacity=DEVICE_ROWS, promote_on_miss=promote_on_miss)
+    out = {
         "user": EmbeddingConfig(**kw),
         "counted": EmbeddingConfig(**kw, seed=7, eviction="lfu"),
         "ranked": EmbeddingConfig(**kw, seed=9, eviction="custom"),
         "shared": EmbeddingConfig(**kw, seed=5, read_only=True),
-        "admitted": EmbeddingConfig(**kw, seed=11, admission_threshold=2),
     }
+    if not promote_on_miss:
+        out["admitted"] = EmbeddingConfig(**kw, seed=11, admission_threshold=2)
+    return out
 
 
 def test_tiered_tables_form_groups_of_their_own():
@@ -33,16 +38,20 @@ def test_tiered_tables_form_groups_of_their_own():
         "a": EmbeddingConfig(**kw, device_capacity=DEVICE_ROWS), "b": EmbeddingConfig(**kw, device_capacity=DEVICE_ROWS, seed=1),
         "plain": EmbeddingConfig(**kw), "admitted": EmbeddingConfig(**kw, device_capacity=DEVICE_ROWS, admission_threshold=2),
     }
+    cfg["promoting"] = EmbeddingConfig(**kw, device_capacity=DEVICE_ROWS, promote_on_miss=True)
     c = DynamicEmbeddingCollection(cfg, DEVICE)
-    assert [(type(g), g.names) for g in c.groups] == [(TieredTableGroup, ["a", "b", "admitted"]), (TableGroup, ["plain"])]
+    assert [(type(g), g.names) for g in c.groups] == [
+        (TieredTableGroup, ["a", "b", "admitted"]), (TableGroup, ["plain"]), (TieredTableGroup, ["promoting"]),
+    ]
     assert c.single == []
 
 
-def test_tiered_collection_trains_like_its_tables_one_by_one():
-    """Every eviction policy, a read-only member and an admitting one, device tiers that
-    overflow on every call; train and read-only lookups, prefetches of the next batch, updates of other ids
-    than the lookup's. Nothing is lost: every row lives in one tier or the other."""
-    cfg = configs()
+@pytest.mark.parametrize("promote_on_miss", [False, True])
+def test_tiered_collection_trains_like_its_tables_one_by_one(promote_on_miss):
+    """configs(), device tiers that overflow on every call; train and read-only lookups,
+    prefetches of the next batch, updates of other ids than the lookup's. Nothing is lost:
+    every row lives in one tier or the other."""
+    cfg = configs(promote_on_miss)
     coll = DynamicEmbeddingCollection(cfg, DEVICE)
     assert [type(g) for g in coll.groups] == [TieredTableGroup] and coll.single == []
     alone = {n: DynamicEmbedding(c, DEVICE) for n, c in cfg.items()}
@@ -83,5 +92,32 @@ def test_tiered_collection_trains_like_its_tables_one_by_one():
         assert a.evictions == 0 and a.rejections == 0
         assert coll[name].table.size() <= DEVICE_ROWS
     assert coll["user"].stats().size > DEVICE_ROWS  # the host tier holds the rest
-    admitting = coll["admitted"].stats()
-    assert admitting.admissions > 0 and admitting.admission_rejections > 0  # ids stored on their second sighting
+    if not promote_on_miss:
+        admitting = coll["admitted"].stats()
+        assert admitting.admissions > 0 and admitting.admission_rejections > 0  # ids stored on their second sighting
+
+
+def test_a_promoting_group_moves_every_missed_id_up():
+    """As a promote_on_miss table alone (test_embedding.py): in an lfu group, an id used
+    once takes the device slot of its bucket's least used row, which moves down; without
+    the option it stays in host memory."""
+    kw = dict(dim=DIM, optimizer=OptimizerConfig("sgd", lr=0.1), bucket_size=32, backend="triton", capacity=32,
+              max_capacity=1 << 10, device_capacity=32, eviction="lfu")
+    for promote in (False, True):
+        cfg = {n: EmbeddingConfig(**kw, seed=s, promote_on_miss=promote) for s, n in enumerate(("a", "b"))}
+        coll = DynamicEmbeddingCollection(cfg, DEVICE)
+        assert [type(g) for g in coll.groups] == [TieredTableGroup]
+
+        def step(x: torch.Tensor) -> None:
+            ids = {n: x for n in cfg}
+            got = coll.lookup(ids)
+            coll.apply_gradients(ids, {n: torch.zeros_like(r) for n, r in got.items()})
+
+        resident = torch.arange(100, 132, device=DEVICE)  # one device bucket's worth
+        step(resident.repeat(3))
+        step(resident[:-1])  # every resident used 4 times but id 131 (3)
+        step(torch.tensor([5], device=DEVICE))
+        for n in cfg:
+            on_device = coll[n].table.find(torch.tensor([5, 131], device=DEVICE)) >= 0
+            assert on_device.tolist() == ([True, False] if promote else [False, True]), (promote, n)
+            assert coll[n].host.find(torch.tensor([131 if promote else 5], device=DEVICE)).item() >= 0

@@ -120,13 +120,13 @@ def _evict_lists(
     offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr,
     counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET: tl.constexpr, MULTI: tl.constexpr,
     TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    VICTIMS: tl.constexpr, HISTORY: tl.constexpr, ROW_TILE: tl.constexpr, call, score_offset,
+    VICTIMS: tl.constexpr, HISTORY: tl.constexpr, ROW_TILE: tl.constexpr, FORCE: tl.constexpr, call, score_offset,
 ):
     """_claim_kernel's phase 1 for the lanes at offs (live) that head their bucket's list of
     waiting keys: each takes the keys of its list in turn, alone in the bucket (no other
     program writes it in this launch, so nothing is locked or fenced). A key takes the
-    lowest (score, column) row not used by `call` if that score is <= its own, else is not
-    stored (-1); a copy of a key stored earlier in the list finds that row instead (no key
+    lowest (score, column) row not used by `call` if that score is <= its own (under FORCE
+    whatever its own), else is not stored (-1); a copy of a key stored earlier in the list finds that row instead (no key
     of the list is in the bucket at the launch's start: phase 0 found it full). Stores
     each key's slot and flags, and empties the lists' heads.
     The bucket's scores and marks are read once per list and kept in registers, as are the
@@ -182,7 +182,9 @@ def _evict_lists(
         # the lowest (score, column) free row: ties keep the lower column
         low = tl.min(tl.where(free, row_scores, K_ABOVE_ALL), axis=1)
         victim = tl.min(tl.where(free & (row_scores == low[:, None]), cols, BUCKET), axis=1)
-        evicting = pending & ~copy & (victim < BUCKET) & (low <= score)
+        evicting = pending & ~copy & (victim < BUCKET)
+        if not FORCE:
+            evicting = evicting & (low <= score)
         free = free & ~(evicting[:, None] & (cols == victim[:, None]))
         target = bucket * BUCKET + victim
         if VICTIMS:
@@ -230,7 +232,7 @@ def _claim_kernel(
     buf_ptr, row_dim, row_stride, score_offset, BUCKET: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
     MULTI: tl.constexpr, TABLE_SCORES: tl.constexpr, COUNT: tl.constexpr, ALIGN: tl.constexpr, PHASE: tl.constexpr,
     COUNTED: tl.constexpr, REFUSE: tl.constexpr, BARRED: tl.constexpr, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr, VICTIMS: tl.constexpr,
-    LISTS: tl.constexpr, HISTORY: tl.constexpr, ROW_TILE: tl.constexpr,
+    LISTS: tl.constexpr, HISTORY: tl.constexpr, ROW_TILE: tl.constexpr, FORCE: tl.constexpr,
 ):
     """Fast find_or_insert in two launches. PHASE 0: each key looks for itself (found: its
     score is raised to the key's and its row marked used by `call`), else takes its
@@ -348,7 +350,7 @@ def _claim_kernel(
                     _evict_lists(
                         offs, live, query_ptr, tid_ptr, score_ptr, desc_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr,
                         victim_score_ptr, counts_ptr, values_base, buf_ptr, row_dim, row_stride, BUCKET, MULTI, TABLE_SCORES,
-                        COUNT, ALIGN, ROWS, DIM_BLOCK, VICTIMS, HISTORY, ROW_TILE, call, score_offset,
+                        COUNT, ALIGN, ROWS, DIM_BLOCK, VICTIMS, HISTORY, ROW_TILE, FORCE, call, score_offset,
                     )
 
 
@@ -395,7 +397,7 @@ def claim(
     stack: TableStack, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
     refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0, victims: bool = True,
-    assign: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None,
+    assign: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None, force: bool = False,
 ):
     """Fast find_or_insert on the tables of `stack` (_claim_kernel): found rows get their
     scores raised, missing keys are inserted. Returns (slots, inserted, evicted,
@@ -410,8 +412,9 @@ def claim(
     row_stride apart): new keys' first d values are stored from it, the other keys' come
     back in it; victims' rows are overwritten. assign: rows is insert_or_assign's instead,
     every key stored gets its row (of copies of a key, one's). victims=False: the caller
-    drops the victims (evicted, victim_keys and victim_scores come back None). Twin:
-    claim_reference.claim_reference."""
+    drops the victims (evicted, victim_keys and victim_scores come back None). force: a
+    key of a full bucket evicts the bucket's lowest-score row not used by the call even
+    where that score is above its own. Twin: claim_reference.claim_reference."""
     n = keys.numel()
     words, flag_bytes = _output_strides(n)
     flag_words = 2 * flag_bytes // 8
@@ -434,7 +437,7 @@ def claim(
         )
         phase0, phase1 = _claim_launches(
             len(args), bucket_size, tids is not None, table_scores, counts is not None, count is not None, refuse is not None,
-            barred is not None, 0 if rows is None else (ASSIGN if assign else FETCH).value, d, victims,
+            barred is not None, 0 if rows is None else (ASSIGN if assign else FETCH).value, d, victims, force,
         )
         launch_each(args, ((first, phase0), (second, phase1)))
     slots, flags = out[:n], out[out.numel() - flag_words :].view(torch.int8).view(2, flag_bytes)[:, :n]
@@ -454,7 +457,7 @@ def _output_strides(n: int) -> tuple[int, int]:
 @functools.cache
 def _claim_launches(
     n_args: int, bucket_size: int, multi: bool, table_scores: bool, counts: bool, counted: bool, refuse: bool,
-    barred: bool, rows: int, d: int, victims: bool,
+    barred: bool, rows: int, d: int, victims: bool, force: bool,
 ):
     """The claim's two launches of _claim_kernel on n_args arguments, prepared (its
     constants and options)."""
@@ -462,7 +465,7 @@ def _claim_launches(
         BUCKET=bucket_size, MULTI=multi, TABLE_SCORES=table_scores, COUNT=counts, ALIGN=min(bucket_size, 16),
         COUNTED=counted, REFUSE=refuse, BARRED=barred, ROWS=rows, DIM_BLOCK=min(CLAIM_DIM_BLOCK, next_power_of_2(max(d, 1))),
         VICTIMS=victims, LISTS=EVICT_LISTS, HISTORY=max(1, min(EVICT_HISTORY, bucket_size // 2)),
-        ROW_TILE=min(EVICT_ROW_TILE, next_power_of_2(max(d, 1))),
+        ROW_TILE=min(EVICT_ROW_TILE, next_power_of_2(max(d, 1))), FORCE=force,
     )
     place, place_warps = (GROUP_PLACE_BLOCK, GROUP_PLACE_WARPS) if counted else (PLACE_BLOCK, PLACE_WARPS)
     return (

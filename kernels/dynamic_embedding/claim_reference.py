@@ -59,7 +59,7 @@ def claim_reference(
     stack, keys: torch.Tensor, scores: torch.Tensor, bucket_size: int, tids: torch.Tensor | None = None,
     table_scores: bool = False, counts: torch.Tensor | None = None, count: torch.Tensor | None = None,
     refuse: torch.Tensor | None = None, rows: torch.Tensor | None = None, row_stride: int = 0, victims: bool = True,
-    assign: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None,
+    assign: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None, force: bool = False,
 ):
     """claim's result and effects, the keys taken in lane order (module docstring).
     Returns (slots, inserted, evicted, victim_keys, victim_scores) (N,); the last three
@@ -127,7 +127,7 @@ def claim_reference(
                 continue
             free = [s for s in tab.columns(b) if s not in tab.used]
             victim = min(free, key=lambda s: (tab.scores[s], s), default=None)
-            if victim is None or tab.scores[victim] > score(i):
+            if victim is None or (tab.scores[victim] > score(i) and not force):
                 slot_of[i] = -1
                 continue
             victim_keys[i], victim_scores[i] = tab.keys[victim], tab.scores[victim]

@@ -64,7 +64,7 @@ class DynamicEmbeddingCollection:
         for name, emb in self.tables.items():
             if fusable(emb):
                 c = emb.config
-                by_layout.setdefault((c.dim, c.optimizer, c.bucket_size, emb.host is not None), []).append(name)
+                by_layout.setdefault((c.dim, c.optimizer, c.bucket_size, c.promote_on_miss, emb.host is not None), []).append(name)
         self.groups = [
             (TieredTableGroup if tiered else TableGroup)(names[i : i + MAX_GROUP], [self.tables[n] for n in names[i : i + MAX_GROUP]])
             for (*_, tiered), names in by_layout.items() for i in range(0, len(names), MAX_GROUP)

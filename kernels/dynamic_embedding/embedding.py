@@ -92,10 +92,20 @@ class EmbeddingConfig:
     # rows kept in device memory; the rest, up to max_capacity, live in (pinned) host
     # memory. None: every row on the device
     device_capacity: int | None = None
+    # tiered tables: a training lookup or a prefetch gives every id a device row, its
+    # bucket's lowest-scored row not used by the call moving down whatever the id's own
+    # score (the device tier a cache of the rows used last, its victims chosen by the
+    # policy: with lfu the least used). False: an id whose device bucket holds only
+    # higher-scored rows keeps or gets its row in host memory and is trained there. The
+    # step-scored policies give a new id the highest score, so it changes lfu, epoch_lfu
+    # and custom tables only
+    promote_on_miss: bool = False
 
     def __post_init__(self):
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {EVICTION_POLICIES}")
+        if self.promote_on_miss and self.device_capacity is None:
+            raise ValueError("promote_on_miss applies to tiered tables: set device_capacity")
 
     @property
     def row_dim(self) -> int:
@@ -217,6 +227,9 @@ class DynamicEmbedding:
         self._swaps = (
             self.host is not None and self._fused and not self.table.deterministic and self.counters is None
         )
+        if config.promote_on_miss and not self._swaps:
+            raise ValueError("promote_on_miss needs a tiered Triton table in fast mode (backend='triton', "
+                             "deterministic=False) without admission_threshold")
         self._tier_stack = tiers_of([self.table], [self.host], [self._init], [None]) if self._swaps else None
         self._group_settle = None  # the settle of a collection group this table is in (weak)
 
@@ -299,7 +312,7 @@ class DynamicEmbedding:
         """A training lookup's distinct ids through swap_in: embeddings (U, dim), each id's
         row's where a tier holds it, else its initial embedding."""
         tids = torch.zeros_like(uniq, dtype=torch.int32)
-        s = swap_in(self._tier_stack, uniq, tids, scores)
+        s = swap_in(self._tier_stack, uniq, tids, scores, force=self.config.promote_on_miss)
         stored = s.slots >= 0
         # each id's row as the grouped path addresses it: (tier << SLOT_BITS) | slot
         rows = torch.where(stored, s.slots, torch.where(s.held, (1 << SLOT_BITS.value) | s.host_slots, -1))
@@ -388,7 +401,10 @@ class DynamicEmbedding:
         else:
             wanted, scores = in_host, self.host.scores[host_slots.clamp(min=0)]
         if self._swaps:  # ids in neither tier are left out
-            s = swap_in(self._tier_stack, torch.where(wanted, uniq, EMPTY_KEY), torch.zeros_like(uniq, dtype=torch.int32), scores)
+            s = swap_in(
+                self._tier_stack, torch.where(wanted, uniq, EMPTY_KEY), torch.zeros_like(uniq, dtype=torch.int32), scores,
+                force=self.config.promote_on_miss,
+            )
             self._moves += torch.stack([s.promoted.sum(), s.demoted.sum()])
             self._counts[EVICTIONS] += s.lost.sum()
             return

@@ -32,6 +32,7 @@ class TieredTableGroup(TableGroup):
             m._moves = self._moves[i]
         self._custom = "custom" in self._policies
         self._stepped = _to_device([m.config.eviction in STEP_POLICIES for m in members], torch.bool, self.device)
+        self._force = members[0].config.promote_on_miss  # (the collection groups tables that agree on it)
 
     def _storage(self) -> tuple:
         return super()._storage() + tuple(m.host.keys.data_ptr() for m in self.members)
@@ -70,7 +71,7 @@ class TieredTableGroup(TableGroup):
             claim_scores = torch.where(raise_, torch.maximum(claim_scores, host_scores), claim_scores)
         s = swap_in(
             self._tiers(), r.keys, r.tids, claim_scores, r.count, table_scores=per_table, score_offset=offset,
-            barred=gate.barred if gate is not None else None, from_host=from_host,
+            barred=gate.barred if gate is not None else None, from_host=from_host, force=self._force,
         )
         on_device = s.slots >= 0
         slots = torch.where(on_device, s.slots, torch.where(s.held, s.host_slots, -1))
@@ -149,5 +150,5 @@ class TieredTableGroup(TableGroup):
         wanted = in_host | (stepped & on_device)
         scores = torch.where(stepped, next_scores[tids.long()], host_scores)
         # (a lane not wanted is not in host memory: its slot there is -1, as for the reserved key)
-        s = swap_in(self._tiers(), torch.where(wanted, keys, EMPTY_KEY), tids, scores, from_host=from_host)
+        s = swap_in(self._tiers(), torch.where(wanted, keys, EMPTY_KEY), tids, scores, from_host=from_host, force=self._force)
         self._tally(tids, torch.ones_like(wanted), keys, s, train=False)

@@ -61,7 +61,7 @@ class Swapped(NamedTuple):
 def swap_in(
     tiers: Tiers, keys: torch.Tensor, tids: torch.Tensor, scores: torch.Tensor, count: torch.Tensor | None = None,
     table_scores: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None,
-    from_host: torch.Tensor | None = None,
+    from_host: torch.Tensor | None = None, force: bool = False,
 ) -> Swapped:
     """Device rows for `keys` (N,) of tables `tids` (N,), with `scores` (N,), or with
     table_scores one per table plus score_offset (as claim takes them). EMPTY_KEY lanes,
@@ -69,12 +69,13 @@ def swap_in(
     its row, and one of them is reported inserted. barred (N,) bool: keys that neither tier
     stores and that may not be given a row (admission: below the threshold).
     from_host (N,): the keys' slots in their host tiers (-1: not there), where the caller
-    has probed them already.
+    has probed them already. force: a key the device tier does not hold takes its bucket's
+    lowest-score row not used by the call whatever its own score (promote_on_miss).
 
     A key found in host memory moves to the device (promoted); a key in neither tier is
     inserted with its initial row. Device rows that the inserts evict move to host memory
     (demoted). A key the device tier cannot take (its bucket's rows all used by this
-    call, or of higher scores) keeps its host row, whose score it raises, or is given one
+    call, or, unforced, of higher scores) keeps its host row, whose score it raises, or is given one
     there with its initial row: its row is then trained in host memory. The host tier
     takes both in one claim, so none of them evicts another's row; a full host bucket
     evicts its lowest-score row not used by the call (lost). The host rows that move up
@@ -90,7 +91,7 @@ def swap_in(
         from_host = probe(stack, keys, tiers.bucket_size, 0, host_tids, count=count)
     slots, inserted, evicted, victim_keys, victim_scores = claim(
         stack, keys, scores, tiers.bucket_size, tids, table_scores=table_scores, count=count, score_offset=score_offset,
-        barred=barred,
+        barred=barred, force=force,
     )
     if count is not None:  # (flags past the count are unset)
         inserted, evicted = inserted & live, evicted & live
