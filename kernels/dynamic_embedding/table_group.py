@@ -220,8 +220,7 @@ class TableGroup:
         tids, old, uses = stored.tids, stored.old, stored.uses
         if self._uniform_code == LFU:
             return old + uses
-        epochs = {m.epoch for m in self.members}
-        if self._uniform_code == EPOCH_LFU and len(epochs) == 1:
+        if self._uniform_code == EPOCH_LFU and len(epochs := {m.epoch for m in self.members}) == 1:
             return epoch_use_score(old, uses, epochs.pop())
         # per member, as of this call: its step score (never: read-only) and its epoch
         per_table = _to_device([
