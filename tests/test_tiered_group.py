@@ -121,3 +121,41 @@ def test_a_promoting_group_moves_every_missed_id_up():
             on_device = coll[n].table.find(torch.tensor([5, 131], device=DEVICE)) >= 0
             assert on_device.tolist() == ([True, False] if promote else [False, True]), (promote, n)
             assert coll[n].host.find(torch.tensor([131 if promote else 5], device=DEVICE)).item() >= 0
+
+
+@pytest.mark.parametrize("backend,grouped,promote", [
+    ("reference", False, False), ("triton", False, False), ("triton", True, False), ("triton", False, True), ("triton", True, True),
+])
+@pytest.mark.parametrize("batches", [[[0, 100]], [[0], [100]]])
+def test_a_prefetch_evicts_no_device_row_of_its_batch_or_the_one_before(backend, grouped, promote, batches):
+    """lfu: a prefetch of ids 0 and 100 (or of id 0, then of id 100: the batch prefetched
+    before is the one being trained, or about to be) leaves the least used device row,
+    id 0's, where it is while id 100's host row may come up. With promote_on_miss the next
+    least used row, of neither batch, moves down for it; without, it stays in host memory
+    (no other row is used as little), and id 0's row is not made to change places with it."""
+    cfg = EmbeddingConfig(dim=2, optimizer=OptimizerConfig("sgd"), capacity=64, bucket_size=64, max_capacity=1024,
+                          device_capacity=64, eviction="lfu", backend=backend, promote_on_miss=promote)
+    device = DEVICE if backend == "triton" else "cpu"
+    coll = DynamicEmbeddingCollection({"t": cfg}, device)
+    table = coll["t"]
+    assert [type(g) for g in coll.groups] == ([TieredTableGroup] if backend == "triton" else [])
+
+    def step(x: torch.Tensor) -> None:
+        if grouped or backend == "reference":  # (a reference table is served alone by the collection)
+            coll.apply_gradients({"t": x}, {"t": torch.zeros_like(coll.lookup({"t": x})["t"])})
+        else:
+            table.apply_gradients(x, torch.zeros_like(table.lookup(x)))
+
+    ids = lambda *v: torch.tensor(v, device=device)  # noqa: E731
+    step(ids(100).repeat(10))  # id 100: 10 uses
+    step(torch.arange(64, device=device).repeat(10))  # 64 rows of 10 uses: one takes id 100's row, which moves down
+    assert table.host.find(ids(100)).item() >= 0
+    step(torch.arange(1, 64, device=device))  # every device row but id 0's: 11 uses
+    for b in batches:
+        coll.prefetch({"t": ids(*b)}) if grouped else table.prefetch(ids(*b))
+    both = ids(0, 100)
+    assert (table.table.find(both) >= 0).tolist() == [True, promote]
+    promotions = table.stats().promotions
+    step(both)  # id 100 then has 11 uses, as many as the rows outside the batch: it moves up now if not before
+    assert (table.table.find(both) >= 0).all()
+    assert table.stats().promotions == promotions + (0 if promote else 1)

@@ -231,6 +231,7 @@ class DynamicEmbedding:
             raise ValueError("promote_on_miss needs a tiered Triton table in fast mode (backend='triton', "
                              "deterministic=False) without admission_threshold")
         self._tier_stack = tiers_of([self.table], [self.host], [self._init], [None]) if self._swaps else None
+        self._prefetched = None  # the ids of the last prefetch (see prefetch)
         self._group_settle = None  # the settle of a collection group this table is in (weak)
 
     def _settle(self) -> None:
@@ -383,23 +384,34 @@ class DynamicEmbedding:
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Moves the host rows of ids (the next batch's, looked up after this step's update)
-        to the device ahead of their lookup (counted in stats().promotions). Under the
-        step-based policies (STEP_POLICIES) the batch's rows on the device get the score
-        of the next step, which its lookup would give them, so that this step's inserts do
-        not evict them first; other policies keep the rows' scores. A no-op without a host
+        to the device ahead of their lookup (counted in stats().promotions), evicting none
+        of the batch's rows on the device. Under the step-based policies (STEP_POLICIES)
+        the batch's rows on the device get the score of the next step, which its lookup
+        would give them, so that this step's inserts do not evict them first. Other
+        policies keep the rows' scores, and the rows still on the device of the batch
+        prefetched before (the one being trained, or about to be) are not evicted either:
+        their scores do not say they are in use, and moving them down would move them
+        up again at their lookup or train them in host memory. A no-op without a host
         tier."""
         self._settle()
         if self.host is None or ids.numel() == 0:
             return
         # swap_in takes copies of an id (one lane of them moves its row): no waiting for unique
         uniq = ids.to(self.device) if self._swaps else torch.unique(ids.to(self.device))
-        host_slots = self.host.find(uniq)
+        previous, self._prefetched = self._prefetched, uniq
+        host_slots, device_slots = self.host.find(uniq), self.table.find(uniq)
         in_host = host_slots != MISSING
+        # every stored id takes part, so that no row of the batch on the device is evicted
+        # to make room for another of its rows
+        wanted = in_host | (device_slots != MISSING)
         if self.config.eviction in STEP_POLICIES:
-            wanted = in_host | (self.table.find(uniq) != MISSING)
             scores = torch.full_like(uniq, self._step_score(self.step + 1))
-        else:
-            wanted, scores = in_host, self.host.scores[host_slots.clamp(min=0)]
+        else:  # rows keep their scores, on either tier
+            scores = torch.where(in_host, self.host.scores[host_slots.clamp(min=0)], self.table.scores[device_slots.clamp(min=0)])
+            if previous is not None:  # and the batch before keeps its device rows
+                kept = self.table.find(previous)
+                uniq, wanted = torch.cat([uniq, previous]), torch.cat([wanted, kept != MISSING])
+                scores = torch.cat([scores, self.table.scores[kept.clamp(min=0)]])
         if self._swaps:  # ids in neither tier are left out
             s = swap_in(
                 self._tier_stack, torch.where(wanted, uniq, EMPTY_KEY), torch.zeros_like(uniq, dtype=torch.int32), scores,

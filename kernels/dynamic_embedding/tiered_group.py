@@ -31,8 +31,10 @@ class TieredTableGroup(TableGroup):
         for i, m in enumerate(members):
             m._moves = self._moves[i]
         self._custom = "custom" in self._policies
-        self._stepped = _to_device([m.config.eviction in STEP_POLICIES for m in members], torch.bool, self.device)
+        stepped = [m.config.eviction in STEP_POLICIES for m in members]
+        self._stepped, self._all_stepped = _to_device(stepped, torch.bool, self.device), all(stepped)
         self._force = members[0].config.promote_on_miss  # (the collection groups tables that agree on it)
+        self._prefetched: tuple[torch.Tensor, torch.Tensor] | None = None  # the last prefetch's lanes
 
     def _storage(self) -> tuple:
         return super()._storage() + tuple(m.host.keys.data_ptr() for m in self.members)
@@ -137,18 +139,30 @@ class TieredTableGroup(TableGroup):
         lanes = self._flat_lanes(given)
         if lanes is None:
             return
+        previous, self._prefetched = self._prefetched, lanes
         keys, tids = lanes
         stack = self._stack()
         host_scores = torch.zeros_like(keys)
         from_host = probe(stack, keys, self.bucket_size, 0, self._host_tids(tids), scores=host_scores)
         in_host = from_host >= 0
         on_device = probe(stack, keys, self.bucket_size, 0, tids, found_only=True)
-        # step-scored members: the batch's rows on either tier get the next step's score;
-        # the others keep their rows' scores and move only host rows
+        # every stored id of the batch takes part, so that the claim evicts none of the
+        # batch's device rows to make room for its host rows. Step-scored members: the
+        # batch's rows on either tier get the next step's score; the others' host rows
+        # bring their scores, and their device rows keep theirs (the claim never lowers one)
         stepped = self._stepped[tids.long()]
         next_scores = _to_device([m._step_score(m.step + 1) for m in self.members], torch.int64, self.device)
-        wanted = in_host | (stepped & on_device)
-        scores = torch.where(stepped, next_scores[tids.long()], host_scores)
-        # (a lane not wanted is not in host memory: its slot there is -1, as for the reserved key)
-        s = swap_in(self._tiers(), torch.where(wanted, keys, EMPTY_KEY), tids, scores, from_host=from_host, force=self._force)
-        self._tally(tids, torch.ones_like(wanted), keys, s, train=False)
+        never = torch.iinfo(torch.int64).min
+        scores = torch.where(stepped, next_scores[tids.long()], torch.where(in_host, host_scores, never))
+        # (a lane not wanted is in neither tier: its slot in host memory is -1, as for the reserved key)
+        keys = torch.where(in_host | on_device, keys, EMPTY_KEY)
+        if previous is not None and not self._all_stepped:
+            # the batch prefetched before keeps its device rows (DynamicEmbedding.prefetch
+            # says why): its ids found there join the call, their scores unchanged
+            old_keys, old_tids = previous
+            kept = probe(stack, old_keys, self.bucket_size, 0, old_tids, found_only=True)
+            keys, tids = torch.cat([keys, torch.where(kept, old_keys, EMPTY_KEY)]), torch.cat([tids, old_tids])
+            scores = torch.cat([scores, torch.full_like(old_keys, never)])
+            from_host = torch.cat([from_host, from_host.new_full(old_keys.shape, -1)])
+        s = swap_in(self._tiers(), keys, tids, scores, from_host=from_host, force=self._force)
+        self._tally(tids, torch.ones_like(keys, dtype=torch.bool), keys, s, train=False)
