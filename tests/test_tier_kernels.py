@@ -50,7 +50,7 @@ def distinct_slots(g: torch.Generator, tids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("counted", [False, True])
 def test_exchange_tier_rows(counted):
     """Device rows down to host slots and host rows up into the same device slots; some
-    lanes move one way only, some none. Host slots going up are not written by the lanes
+    lanes move one way only, some none (a whole program's lanes among them). Host slots going up are not written by the lanes
     going down, as swap_in guarantees (it protects them)."""
     g = torch.Generator().manual_seed(int(counted))
     n = 40
@@ -64,7 +64,11 @@ def test_exchange_tier_rows(counted):
         down[mine], up[mine] = perm[: mine.numel()], perm[mine.numel() : 2 * mine.numel()]
     down = torch.where(torch.rand(n, generator=g) < 0.3, -1, down)
     up = torch.where(torch.rand(n, generator=g) < 0.3, -1, up)
-    count = torch.tensor([27], dtype=torch.int32).to(DEVICE) if counted else None
+    # a program's worth of lanes (TIER_BLOCK) that move nothing, then lanes that only move up
+    block = kernels.TIER_BLOCK
+    slots[block : 2 * block] = -1
+    down[2 * block :] = -1
+    count = torch.tensor([n - 3], dtype=torch.int32).to(DEVICE) if counted else None
     outs = []
     for f in (kernels.exchange_tier_rows, twins.exchange_tier_rows_reference):
         stack = tiers(3)

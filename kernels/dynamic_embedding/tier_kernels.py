@@ -51,13 +51,16 @@ def _exchange_tier_rows_kernel(
     host_values = _field(desc_ptr, t + host, _VALUES).to(tl.pointer_type(tl.float32))
     down_row = tl.multiple_of(host_values + down * row_stride, ROW_ALIGN)
     up_row = tl.multiple_of(host_values + up * row_stride, ROW_ALIGN)
-    for c in range(0, row_stride, DIM_BLOCK):
-        cols = c + tl.arange(0, DIM_BLOCK)
-        inside = cols[None, :] < width
-        old = tl.load(device_row[:, None] + cols[None, :], mask=going[:, None] & inside, other=0.0)
-        new = tl.load(up_row[:, None] + cols[None, :], mask=coming[:, None] & inside)
-        tl.store(down_row[:, None] + cols[None, :], old, mask=going[:, None] & (cols[None, :] < row_stride))
-        tl.store(device_row[:, None] + cols[None, :], new, mask=coming[:, None] & inside)
+    # most lanes of a call move nothing (a lookup's rows are mostly on the device already):
+    # a program with no move skips the row loop, whose masked instructions still issue
+    if tl.max((going | coming).to(tl.int32), axis=0) != 0:
+        for c in range(0, row_stride, DIM_BLOCK):
+            cols = c + tl.arange(0, DIM_BLOCK)
+            inside = cols[None, :] < width
+            old = tl.load(device_row[:, None] + cols[None, :], mask=going[:, None] & inside, other=0.0)
+            new = tl.load(up_row[:, None] + cols[None, :], mask=coming[:, None] & inside)
+            tl.store(down_row[:, None] + cols[None, :], old, mask=going[:, None] & (cols[None, :] < row_stride))
+            tl.store(device_row[:, None] + cols[None, :], new, mask=coming[:, None] & inside)
 
 
 @triton.jit(do_not_specialize=["n"])
