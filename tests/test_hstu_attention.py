@@ -101,6 +101,28 @@ def test_programs_of_one_head_and_of_two_match_the_twin(heads):
     test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float32, heads, 32, 16, True, 3)
 
 
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
+def test_timestamps_in_no_order_match_the_twin(targets, context_len):
+    """The time bias's gradient sums each row's runs of equal buckets: timestamps shuffled
+    within their sequences make runs of one or a few pairs, and equal ones runs that
+    cross the masked pairs."""
+    lengths = [n * SCALE for n in (70, 1, 64, 33)] * SCALE
+    max_seq_len = max(lengths) + 1
+    tensors, offsets, num_targets = case(7, lengths, 2, 32, 16, max_seq_len, torch.float32, targets)
+    stamps = tensors["timestamps"].cpu()
+    gen = torch.Generator().manual_seed(2)
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        stamps[a:b] = stamps[a:b][torch.randperm(b - a, generator=gen)]
+    stamps[offsets[2]:offsets[2] + 20] = stamps[offsets[2]]  # a run of equal timestamps
+    tensors["timestamps"] = stamps.to(DEVICE)
+    upstream = torch.randn(tensors["v"].shape, generator=gen).to(DEVICE)
+    got, got_grads = run("triton", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
+    want, want_grads = run("reference", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
+    assert close(got, want, TOLERANCE[torch.float32])
+    for name, g in want_grads.items():
+        assert close(got_grads[name], g, TOLERANCE[torch.float32] * 4), name
+
+
 def test_the_masks_and_buckets_are_the_stated_ones():
     # 6 rows: a context prefix of 1, history rows 1-3, targets 4 and 5
     want = torch.tensor([

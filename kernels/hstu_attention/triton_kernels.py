@@ -33,7 +33,7 @@ from .tiles import (
     _allowed, _attend, _biased_scores, _biases, _head_rows, _key_ranges, _load_head_rows, _program_block, _query_ranges,
     _row_block, _sigmoid, _two_bucket_run,
 )
-from .time_buckets import _tile_buckets, _tile_extremes, bucket_thresholds, timestamp_extremes
+from .time_buckets import _gap_bucket, _tile_buckets, _tile_extremes, bucket_thresholds, timestamp_extremes
 
 # blocks of query and key rows, warps and pipeline stages, tuned per head dims and length
 CONFIGS = [
@@ -220,22 +220,18 @@ def _backward_kv_kernel(
 
 
 @triton.jit
-def _add_time_grads(grad_ptr, ds, bucket, counted, num_buckets):
-    """Adds each time bucket's sum of ds over the counted pairs into grad_ptr. A tile's
-    buckets are few and consecutive where timestamps grow along a sequence: its range is
-    walked four buckets a step, summed along rows within each warp and then across warps
-    in one reduction, one atomic add per bucket."""
-    low = tl.min(tl.where(counted, bucket, num_buckets))
-    high = tl.max(tl.where(counted, bucket, 0))
-    pair = tl.arange(0, 2)
-    for first in range(low, high + 1, 4):
-        r0 = tl.sum(tl.where(bucket == first, ds, 0.0), axis=1)
-        r1 = tl.sum(tl.where(bucket == first + 1, ds, 0.0), axis=1)
-        r2 = tl.sum(tl.where(bucket == first + 2, ds, 0.0), axis=1)
-        r3 = tl.sum(tl.where(bucket == first + 3, ds, 0.0), axis=1)
-        sums = tl.sum(tl.join(tl.join(r0, r1), tl.join(r2, r3)), axis=0)  # [i, j]: bucket first + i + 2j
-        at = first + pair[:, None] + 2 * pair[None, :]
-        tl.atomic_add(grad_ptr + at, sums, mask=at <= high, sem="relaxed")
+def _add_time_grads_by_runs(grad_ptr, ds, bucket, next_bucket):
+    """Adds each time bucket's sum of ds into grad_ptr, a row's pairs taken as runs of
+    equal buckets along the columns: a run's sum is the row's running sum at its last
+    column less that at the column before its first, so where the bucket changes the
+    running sum goes into the bucket that ends and out of the one that starts. bucket: -1
+    where a pair is not counted (its ds is 0); next_bucket: the next column's, -2 past
+    the tile's last. Where timestamps grow along a sequence a row's buckets fall in runs:
+    a tile makes two atomic adds per run and row, however many buckets it spans."""
+    run = tl.cumsum(ds, axis=1)
+    change = bucket != next_bucket
+    tl.atomic_add(grad_ptr + bucket, run, mask=change & (bucket >= 0), sem="relaxed")
+    tl.atomic_add(grad_ptr + next_bucket, -run, mask=change & (next_bucket >= 0), sem="relaxed")
 
 
 @triton.jit
@@ -273,7 +269,17 @@ def _backward_q_tile(
         if TWO_BUCKETS:  # (an unmasked tile: ds is 0 where not counted)
             _add_two_bucket_grads(time_grad_ptr + copy, ds, bucket, tile_bucket, num_buckets)
         else:
-            _add_time_grads(time_grad_ptr + copy, ds, bucket, counted, num_buckets)
+            # each pair's next column's bucket (the tile's last column's next lies past it)
+            after = cols + 1
+            t_after = (tl.load(timestamps_ptr + start + after, mask=after < n, other=t0) - t0).to(tl.float64)
+            after_bucket = _gap_bucket(tl.abs(t_rows[:, None] - t_after[None, :]), edges_ptr, num_buckets)
+            if MASKED:
+                counted_after = _allowed(rows, after, n, history_end, context_len)
+            else:  # (every pair of a live row is counted)
+                counted_after = counted
+            after_bucket = tl.where(counted_after, after_bucket, -1)
+            after_bucket = tl.where((after == n0 + BLOCK_N)[None, :], -2, after_bucket)
+            _add_time_grads_by_runs(time_grad_ptr + copy, ds, tl.where(counted, bucket, -1), after_bucket)
     return dq_acc + tl.dot(ds.to(k.dtype), k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
 
 
