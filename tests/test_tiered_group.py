@@ -159,3 +159,26 @@ def test_a_prefetch_evicts_no_device_row_of_its_batch_or_the_one_before(backend,
     step(both)  # id 100 then has 11 uses, as many as the rows outside the batch: it moves up now if not before
     assert (table.table.find(both) >= 0).all()
     assert table.stats().promotions == promotions + (0 if promote else 1)
+
+
+def test_a_prefetch_counts_each_members_moves_after_keeping_the_batch_before():
+    """An lfu group's prefetch carries the batch prefetched before as extra lanes, after
+    the batch's own: the promotions and demotions are still each member's own."""
+    kw = dict(dim=2, optimizer=OptimizerConfig("sgd"), capacity=64, bucket_size=64, max_capacity=1024, device_capacity=64,
+              eviction="lfu", backend="triton")
+    coll = DynamicEmbeddingCollection({"a": EmbeddingConfig(**kw), "b": EmbeddingConfig(**kw, seed=1)}, DEVICE)
+    assert [type(g) for g in coll.groups] == [TieredTableGroup]
+    ids = lambda *v: torch.tensor(v, device=DEVICE)  # noqa: E731
+
+    def step(x: dict) -> None:
+        coll.apply_gradients(x, {n: torch.zeros_like(r) for n, r in coll.lookup(x).items()})
+
+    step({"a": ids(5), "b": ids(100).repeat(10)})
+    step({"b": torch.arange(64, device=DEVICE).repeat(10)})  # b's id 100 (10 uses) moves down for one of these
+    assert coll["b"].host.find(ids(100)).item() >= 0
+    coll.prefetch({"a": ids(5), "b": ids(7)})  # nothing to move
+    before = {n: (coll[n].stats().promotions, coll[n].stats().demotions) for n in ("a", "b")}
+    coll.prefetch({"a": ids(5), "b": ids(100)})  # b's id 100 up, a row of b's down
+    after = {n: (coll[n].stats().promotions, coll[n].stats().demotions) for n in ("a", "b")}
+    assert after["a"] == before["a"]
+    assert after["b"] == (before["b"][0] + 1, before["b"][1] + 1)

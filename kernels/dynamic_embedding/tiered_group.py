@@ -16,6 +16,7 @@ import torch
 from .counters import EVICTIONS, LOOKUPS
 from .embedding import STEP_POLICIES, DynamicEmbedding
 from .hashing import EMPTY_KEY
+from .multi_table_kernels import number_segments
 from .probe_kernels import READ_ONLY, TableStack, probe
 from .table_group import CUSTOM, TableGroup, _Routing, _to_device
 from .tiers import Swapped, Tiers, swap_in, tiers_of
@@ -135,17 +136,21 @@ class TieredTableGroup(TableGroup):
 
     def prefetch(self, given: list[torch.Tensor]) -> None:
         """DynamicEmbedding.prefetch for every member at once (given: each member's ids;
-        an empty tensor for a member without any)."""
+        an empty tensor for a member without any). The ids are numbered into segments
+        first, one lane per distinct id of a member (as a lookup's are), so that the probes
+        and the claims meet each id once whatever its copies."""
         lanes = self._flat_lanes(given)
         if lanes is None:
             return
-        previous, self._prefetched = self._prefetched, lanes
-        keys, tids = lanes
+        _, count, keys, tids, _, _ = number_segments(*lanes)
+        live = torch.arange(keys.numel(), device=self.device) < count
+        keys, tids = torch.where(live, keys, EMPTY_KEY), torch.where(live, tids, 0)  # (segments past the count are unset)
+        previous, self._prefetched = self._prefetched, (keys, tids)
         stack = self._stack()
         host_scores = torch.zeros_like(keys)
-        from_host = probe(stack, keys, self.bucket_size, 0, self._host_tids(tids), scores=host_scores)
+        from_host = probe(stack, keys, self.bucket_size, 0, self._host_tids(tids), count=count, scores=host_scores)
         in_host = from_host >= 0
-        on_device = probe(stack, keys, self.bucket_size, 0, tids, found_only=True)
+        on_device = probe(stack, keys, self.bucket_size, 0, tids, count=count, found_only=True)
         # every stored id of the batch takes part, so that the claim evicts none of the
         # batch's device rows to make room for its host rows. Step-scored members: the
         # batch's rows on either tier get the next step's score; the others' host rows
@@ -154,15 +159,18 @@ class TieredTableGroup(TableGroup):
         next_scores = _to_device([m._step_score(m.step + 1) for m in self.members], torch.int64, self.device)
         never = torch.iinfo(torch.int64).min
         scores = torch.where(stepped, next_scores[tids.long()], torch.where(in_host, host_scores, never))
-        # (a lane not wanted is in neither tier: its slot in host memory is -1, as for the reserved key)
+        # (a lane not wanted is in neither tier: its slot in host memory is -1, as for the
+        # reserved key; past the count the probes left the flags unset, and the key is reserved)
         keys = torch.where(in_host | on_device, keys, EMPTY_KEY)
         if previous is not None and not self._all_stepped:
             # the batch prefetched before keeps its device rows (DynamicEmbedding.prefetch
-            # says why): its ids found there join the call, their scores unchanged
+            # says why): its ids found there join the call, their scores unchanged, as
+            # lanes after the batch's (uncounted: the statistics take the batch's alone)
             old_keys, old_tids = previous
             kept = probe(stack, old_keys, self.bucket_size, 0, old_tids, found_only=True)
             keys, tids = torch.cat([keys, torch.where(kept, old_keys, EMPTY_KEY)]), torch.cat([tids, old_tids])
             scores = torch.cat([scores, torch.full_like(old_keys, never)])
-            from_host = torch.cat([from_host, from_host.new_full(old_keys.shape, -1)])
-        s = swap_in(self._tiers(), keys, tids, scores, from_host=from_host, force=self._force)
-        self._tally(tids, torch.ones_like(keys, dtype=torch.bool), keys, s, train=False)
+            from_host = torch.cat([torch.where(live, from_host, -1), from_host.new_full(old_keys.shape, -1)])
+            live, count = torch.cat([live, torch.zeros_like(kept)]), None
+        s = swap_in(self._tiers(), keys, tids, scores, count, from_host=from_host, force=self._force)
+        self._tally(tids, live, keys, s, train=False)
