@@ -1,6 +1,6 @@
 """DynamicEmbedding held against a plain dict model of the table over long random call
-sequences: train lookups, read-only lookups, updates, empty batches, duplicate ids and int64
-extremes. The model: an id's row is its initial row once it has one (admission: once its
+sequences: train lookups, read-only lookups, updates, prefetches, empty batches, duplicate
+ids and int64 extremes. The model: an id's row is its initial row once it has one (admission: once its
 count reaches the threshold), then that row minus lr times the sum of its gradients. The
 tables are sized so that no tier runs out of room, so nothing may be lost: a tiered table
 whose device tier overflows on every call keeps every update in its host tier."""
@@ -25,6 +25,8 @@ TABLES = {
     "deterministic-triton": ("triton", dict(deterministic=True)),
     "tiered-triton": ("triton", dict(device_capacity=64)),
     "tiered-deterministic-triton": ("triton", dict(device_capacity=64, deterministic=True)),
+    "tiered-lfu-reference": ("reference", dict(device_capacity=64, eviction="lfu")),
+    "tiered-lfu-triton": ("triton", dict(device_capacity=64, eviction="lfu")),
     "tiered-lfu-promoting-triton": ("triton", dict(device_capacity=64, eviction="lfu", promote_on_miss=True)),
     "admission-triton": ("triton", dict(admission_threshold=2)),
 }
@@ -103,6 +105,8 @@ def test_lookups_and_exported_rows_equal_a_dict_model(kind):
         ranks = (torch.rand(n, generator=g) ** 3 * distinct).long()
         ids = pool[ranks]
         ids_list = ids.tolist()
+        if step % 3 == 0:  # rows of a batch drawn alike moved up ahead (tiered tables): nothing a lookup reads changes
+            table.prefetch(pool[(torch.rand(batch, generator=g) ** 3 * distinct).long()].to(device))
         if kind_of_call <= 2:  # read-only lookup (the empty one too)
             check(table.lookup(ids.to(device), train=False), model.expected(ids_list), f"step {step}: read-only lookup")
             continue
