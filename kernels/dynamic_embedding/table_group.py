@@ -50,6 +50,11 @@ STEP_SCORED, LFU, EPOCH_LFU, CUSTOM = 0, 1, 2, 3  # how a member scores ids (dev
 POLICY_CODES = {"lfu": LFU, "epoch_lfu": EPOCH_LFU, "custom": CUSTOM}
 
 
+# the lowest score: a claim raises a stored score to a key's, never lowers it, so a key
+# given this one leaves its row's score as it was (read-only members, rows only kept)
+LOWEST_SCORE = torch.iinfo(torch.int64).min
+
+
 def fusable(emb: DynamicEmbedding) -> bool:
     """Whether a table can join a group: a TableGroup, or with a host tier a
     TieredTableGroup."""
@@ -185,16 +190,15 @@ class TableGroup:
     def _table_scores(self) -> tuple[torch.Tensor, int]:
         def score(m: DynamicEmbedding) -> int:
             if m.config.read_only:
-                return torch.iinfo(torch.int64).min  # never raises a score
+                return LOWEST_SCORE
             if m.config.eviction == "epoch_lru":
                 return (m.epoch << 32) | (m.step & 0xFFFFFFFF)
             return m.step
         scores = [score(m) for m in self.members]
         # scores move together from call to call: the device keeps them less the lowest
         # one, the offset the claim adds (a launch argument costs the host less than a copy)
-        never = torch.iinfo(torch.int64).min
-        offset = min((s for s in scores if s != never), default=0)
-        base = [s if s == never else s - offset for s in scores]
+        offset = min((s for s in scores if s != LOWEST_SCORE), default=0)
+        base = [s if s == LOWEST_SCORE else s - offset for s in scores]
         return self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device)), offset
 
     def _stored(self, r: _Routing) -> "_Stored":
@@ -216,7 +220,6 @@ class TableGroup:
         the table's step score; lfu: the uses stored plus this call's copies; epoch_lfu: the
         same within the epoch (the epoch in the high 32 bits); custom: the highest of its
         copies' given scores; read-only tables: int64 min (the claim never lowers a score)."""
-        never = torch.iinfo(torch.int64).min
         tids, old, uses = stored.tids, stored.old, stored.uses
         if self._uniform_code == LFU:
             return old + uses
@@ -224,7 +227,7 @@ class TableGroup:
             return epoch_use_score(old, uses, epochs.pop())
         # per member, as of this call: its step score (never: read-only) and its epoch
         per_table = _to_device([
-            [never if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0) for m, p in zip(self.members, self._policies)],
+            [LOWEST_SCORE if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0) for m, p in zip(self.members, self._policies)],
             [m.epoch for m in self.members],
         ], torch.int64, self.device)
         code = self._score_codes[tids]
@@ -233,7 +236,7 @@ class TableGroup:
             scores = torch.where(code == LFU, old + uses, scores)
             scores = torch.where(code == EPOCH_LFU, epoch_use_score(old, uses, per_table[1][tids]), scores)
         if lane_scores is not None:
-            given = torch.full_like(scores, never)
+            given = torch.full_like(scores, LOWEST_SCORE)
             given.scatter_reduce_(0, r.number.long(), lane_scores, "amax")
             scores = torch.where(code == CUSTOM, given, scores)
         return scores

@@ -18,7 +18,7 @@ from .embedding import STEP_POLICIES, DynamicEmbedding
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import number_segments
 from .probe_kernels import READ_ONLY, TableStack, probe
-from .table_group import CUSTOM, TableGroup, _Routing, _to_device
+from .table_group import CUSTOM, LOWEST_SCORE, TableGroup, _Routing, _to_device
 from .tiers import Swapped, Tiers, swap_in, tiers_of
 
 
@@ -157,8 +157,7 @@ class TieredTableGroup(TableGroup):
         # bring their scores, and their device rows keep theirs (the claim never lowers one)
         stepped = self._stepped[tids.long()]
         next_scores = _to_device([m._step_score(m.step + 1) for m in self.members], torch.int64, self.device)
-        never = torch.iinfo(torch.int64).min
-        scores = torch.where(stepped, next_scores[tids.long()], torch.where(in_host, host_scores, never))
+        scores = torch.where(stepped, next_scores[tids.long()], torch.where(in_host, host_scores, LOWEST_SCORE))
         # (a lane not wanted is in neither tier: its slot in host memory is -1, as for the
         # reserved key; past the count the probes left the flags unset, and the key is reserved)
         keys = torch.where(in_host | on_device, keys, EMPTY_KEY)
@@ -169,7 +168,7 @@ class TieredTableGroup(TableGroup):
             old_keys, old_tids = previous
             kept = probe(stack, old_keys, self.bucket_size, 0, old_tids, found_only=True)
             keys, tids = torch.cat([keys, torch.where(kept, old_keys, EMPTY_KEY)]), torch.cat([tids, old_tids])
-            scores = torch.cat([scores, torch.full_like(old_keys, never)])
+            scores = torch.cat([scores, torch.full_like(old_keys, LOWEST_SCORE)])
             from_host = torch.cat([torch.where(live, from_host, -1), from_host.new_full(old_keys.shape, -1)])
             live, count = torch.cat([live, torch.zeros_like(kept)]), None
         s = swap_in(self._tiers(), keys, tids, scores, count, from_host=from_host, force=self._force)
