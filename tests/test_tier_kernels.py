@@ -95,3 +95,37 @@ def test_mark_tier_slots(action, counted):
     for x, y in zip(*outs):
         assert torch.equal(x, y)
     assert any(not torch.equal(x, y) for x, y in zip(outs[0], state(tiers(5))))
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("counted", [False, True])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_count_swap(train, counted, ordered):
+    """A swap's statistics per table from random flags: lanes in table order (as a call's
+    are) and in none, programs spanning several tables, reserved keys, lanes past a
+    count; counters start from random values, which both add to."""
+    from kernels.dynamic_embedding.tiers import Swapped
+
+    g = torch.Generator().manual_seed(train * 4 + counted * 2 + ordered)
+    n, tables = 3 * kernels.COUNT_BLOCK + 17, 5
+    tids = torch.randint(0, tables, (n,), generator=g)
+    if ordered:
+        tids = tids.sort().values
+    keys = torch.where(torch.rand(n, generator=g) < 0.1, -(2**63), torch.randint(0, 1000, (n,), generator=g))
+    flags = [torch.rand(n, generator=g) < p for p in (0.5, 0.3, 0.2, 0.3, 0.4, 0.1)]
+    slots = torch.where(torch.rand(n, generator=g) < 0.7, torch.randint(0, 100, (n,), generator=g), -1)
+    s = Swapped(slots.to(DEVICE), *[f.to(DEVICE) for f in flags[:3]], slots.to(DEVICE), *[f.to(DEVICE) for f in flags[3:]])
+    inserting = torch.tensor([1, 0, 1, 1, 0]).to(DEVICE)
+    count = torch.tensor([n - 700], dtype=torch.int32).to(DEVICE) if counted else None
+    start_counts = torch.randint(0, 50, (tables, 7), generator=g).to(DEVICE)
+    start_moves = torch.randint(0, 50, (tables, 2), generator=g).to(DEVICE)
+    outs = []
+    for f in (kernels.count_swap, twins.count_swap_reference):
+        counts, moves = start_counts.clone(), start_moves.clone()
+        f(tids.to(DEVICE).to(torch.int32), keys.to(DEVICE), s, count, inserting, counts, moves, train)
+        outs.append((counts, moves))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    live = n - 700 if counted else n
+    assert int((outs[0][1] - start_moves).sum()) == int(flags[1][:live].sum() + flags[4][:live].sum())  # promoted, demoted
+    changed = (outs[0][0] != start_counts).any(0).nonzero().flatten().tolist()
+    assert changed == ([0, 1, 2, 3, 4] if train else [4])  # lookups .. evictions, or evictions alone

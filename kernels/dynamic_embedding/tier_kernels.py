@@ -13,11 +13,14 @@ import triton
 import triton.language as tl
 
 from ..launch import cdiv, launch, next_power_of_2
+from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
 from .probe_kernels import K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, TableStack, _field
 
 TIER_BLOCK, TIER_WARPS = 16, 4  # lanes per program of exchange_tier_rows, and its warps
 TIER_DIM_BLOCK = 128  # columns it moves at a time (benchmarks/embedding_tuning.md)
 MARK_BLOCK = 256  # lanes per program of mark_tier_slots
+COUNT_BLOCK = 1024  # lanes per program of count_swap
+K_NO_TABLE = tl.constexpr(2**31)  # above every table's index
 PROTECT, RELEASE = 0, 1  # mark_tier_slots' actions
 K_PROTECT = tl.constexpr(PROTECT)  # (kernels read only constexpr globals)
 
@@ -82,6 +85,54 @@ def _mark_tier_slots_kernel(
         tl.store(_field(desc_ptr, t, _DIGESTS).to(tl.pointer_type(tl.uint8)) + slot, tl.zeros([BLOCK], tl.uint8), mask=live)
 
 
+@triton.jit
+def _flag(ptr, lanes, live):
+    return live & (tl.load(ptr + lanes, mask=live, other=0) != 0)
+
+
+@triton.jit
+def _add_count(ptr, value):
+    if value != 0:  # (most counters of most programs stay as they are)
+        tl.atomic_add(ptr, value, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n"])
+def _count_swap_kernel(
+    tid_ptr, key_ptr, slot_ptr, inserted_ptr, promoted_ptr, held_ptr, made_ptr, demoted_ptr, lost_ptr, n, count_ptr,
+    inserting_ptr, counts_ptr, moves_ptr, COUNTED: tl.constexpr, TRAIN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """A block of a swap's lanes counted per table: each table's sums over the block's
+    lanes, one atomic add per table and counter (a call's lanes lie in table order, so a
+    block spans one table or a few)."""
+    lanes, live = _live_lanes(count_ptr, n, BLOCK, COUNTED)
+    if tl.max(live.to(tl.int32), axis=0) != 0:
+        t = tl.load(tid_ptr + lanes, mask=live, other=0).to(tl.int64)
+        promoted = _flag(promoted_ptr, lanes, live)
+        demoted = _flag(demoted_ptr, lanes, live)
+        lost = _flag(lost_ptr, lanes, live)
+        if TRAIN:
+            stored = live & (tl.load(slot_ptr + lanes, mask=live, other=-1) >= 0)
+            inserted = _flag(inserted_ptr, lanes, live)
+            held = _flag(held_ptr, lanes, live)
+            made = _flag(made_ptr, lanes, live)
+            hits = (stored & ~inserted) | promoted | (held & ~made)
+            inserts = (inserted & ~promoted) | made
+            keyed = tl.load(key_ptr + lanes, mask=live, other=K_EMPTY_KEY) != K_EMPTY_KEY
+            rowless = live & keyed & ~stored & ~held
+        for table in range(tl.min(tl.where(live, t, K_NO_TABLE), axis=0), tl.max(tl.where(live, t, -1), axis=0) + 1):
+            mine = live & (t == table)
+            counters = counts_ptr + table * K_NUM_COUNTED
+            _add_count(moves_ptr + 2 * table, tl.sum((mine & promoted).to(tl.int64), axis=0))
+            _add_count(moves_ptr + 2 * table + 1, tl.sum((mine & demoted).to(tl.int64), axis=0))
+            _add_count(counters + K_EVICTIONS, tl.sum((mine & lost).to(tl.int64), axis=0))
+            if TRAIN:
+                _add_count(counters + K_LOOKUPS, tl.sum(mine.to(tl.int64), axis=0))
+                _add_count(counters + K_HITS, tl.sum((mine & hits).to(tl.int64), axis=0))
+                _add_count(counters + K_INSERTS, tl.sum((mine & inserts).to(tl.int64), axis=0))
+                rejected = tl.sum((mine & rowless).to(tl.int64), axis=0) * tl.load(inserting_ptr + table)
+                _add_count(counters + K_REJECTIONS, rejected)
+
+
 def exchange_tier_rows(
     stack: TableStack, tids: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, up: torch.Tensor, host: int, width: int,
     count: torch.Tensor | None = None,
@@ -115,4 +166,26 @@ def mark_tier_slots(
         _mark_tier_slots_kernel, (cdiv(n, MARK_BLOCK),),
         tids, slots, offset, n, count if count is not None else tids, stack.desc, ACTION=action, COUNTED=count is not None,
         BLOCK=MARK_BLOCK,
+    )
+
+
+def count_swap(
+    tids: torch.Tensor, keys: torch.Tensor, swapped, count: torch.Tensor | None, inserting: torch.Tensor, counts: torch.Tensor,
+    moves: torch.Tensor, train: bool,
+) -> None:
+    """Adds a swap's statistics (swapped: tiers.Swapped, for lanes keys of tables tids)
+    per table, over its lanes (the first count[0] where a count is given): to moves (T,
+    2) its promotions and demotions; to counts (T, NUM_COUNTED) its rows lost, counted as
+    evictions, and with train a training lookup's lookups, hits (in either tier), inserts
+    (in either tier) and rejections (keyed lanes left without a row, in tables whose
+    inserting[t] is 1)."""
+    n = tids.numel()
+    if n == 0:
+        return
+    s = swapped
+    flags = [x.view(torch.int8) for x in (s.inserted, s.promoted, s.held, s.made, s.demoted, s.lost)]
+    launch(
+        _count_swap_kernel, (cdiv(n, COUNT_BLOCK),),
+        tids, keys, s.slots, *flags, n, count if count is not None else tids, inserting, counts, moves,
+        COUNTED=count is not None, TRAIN=train, BLOCK=COUNT_BLOCK,
     )

@@ -5,6 +5,7 @@ differential tests (tests/test_tier_kernels.py). Twins read the tables as tensor
 the kernels."""
 import torch
 
+from .counters import EVICTIONS, HITS, INSERTS, LOOKUPS, REJECTIONS
 from .hashing import EMPTY_KEY
 
 PROTECT, RELEASE = 0, 1  # mark_tier_slots' actions (tier_kernels.PROTECT, RELEASE)
@@ -43,3 +44,25 @@ def mark_tier_slots_reference(stack, tids, slots, offset, action, count=None) ->
             table.scores[slot] = HIGHEST_SCORE
         else:
             table.keys[slot], table.scores[slot], table.digests[slot] = EMPTY_KEY, 0, 0
+
+
+def count_swap_reference(tids, keys, swapped, count, inserting, counts, moves, train) -> None:
+    live = _live(tids.numel(), count, tids.device)
+    table = tids.long()[live]
+    s = {name: getattr(swapped, name)[live] for name in ("slots", "inserted", "promoted", "held", "made", "demoted", "lost")}
+
+    def add(target: torch.Tensor, column: int, lanes: torch.Tensor) -> None:
+        target[:, column] += torch.bincount(table[lanes], minlength=target.shape[0])
+
+    add(moves, 0, s["promoted"])
+    add(moves, 1, s["demoted"])
+    add(counts, EVICTIONS, s["lost"])
+    if train:
+        on_device = s["slots"] >= 0
+        add(counts, LOOKUPS, torch.ones_like(table, dtype=torch.bool))
+        # a hit: found on the device, or brought up, or found in host memory and kept there
+        add(counts, HITS, (on_device & ~s["inserted"]) | s["promoted"] | (s["held"] & ~s["made"]))
+        # an insert: a new row on the device, or made in host memory
+        add(counts, INSERTS, (s["inserted"] & ~s["promoted"]) | s["made"])
+        no_row = (keys[live] != EMPTY_KEY) & ~on_device & ~s["held"]
+        add(counts, REJECTIONS, no_row & inserting.bool()[table])

@@ -13,12 +13,13 @@ demotions apart.
 """
 import torch
 
-from .counters import EVICTIONS, LOOKUPS
+from .counters import LOOKUPS
 from .embedding import STEP_POLICIES, DynamicEmbedding
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import number_segments
 from .probe_kernels import READ_ONLY, TableStack, probe
 from .table_group import CUSTOM, LOWEST_SCORE, TableGroup, _Routing, _to_device
+from .tier_kernels import count_swap
 from .tiers import Swapped, Tiers, swap_in, tiers_of
 
 
@@ -56,13 +57,17 @@ class TieredTableGroup(TableGroup):
         return tids + len(self.members)
 
     def _train_rows(self, r: _Routing, ids: list[torch.Tensor], scores: list | None) -> None:
-        """As TableGroup's, with one probe of the host tiers for the call: a stored score
-        is the row's in either tier, an id stored in host memory is no new id (it moves up),
-        a custom-scored row moving up keeps a higher score it had there (as a row found on
-        the device does), and swap_in takes the host slots found."""
-        host_scores = torch.zeros_like(r.keys)  # 0 where absent
-        from_host = probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(r.tids), count=r.count, scores=host_scores)
+        """As TableGroup's, with one probe of the host tiers for the call. Where scores or
+        admission read them, it comes before the claim: a stored score is the row's in
+        either tier, an id stored in host memory is no new id (it moves up), a custom-scored
+        row moving up keeps a higher score it had there (as a row found on the device
+        does), and swap_in takes the host slots found. Else swap_in probes after its claim,
+        for the keys the claim inserted alone (after a prefetch, few of them)."""
         stored = self._stored(r) if self.per_key_scores else None
+        from_host = host_scores = None
+        if stored is not None or self.admitting:
+            host_scores = torch.zeros_like(r.keys)  # 0 where absent
+            from_host = probe(self._stack(), r.keys, self.bucket_size, 0, self._host_tids(r.tids), count=r.count, scores=host_scores)
         if stored is not None and stored.old is not None:  # a row lives in one tier
             stored.old += host_scores
         gate = self._gate(r, stored) if self.admitting else None
@@ -79,7 +84,7 @@ class TieredTableGroup(TableGroup):
         on_device = s.slots >= 0
         slots = torch.where(on_device, s.slots, torch.where(s.held, s.host_slots, -1))
         self._rows(r, slots, counted=None, tids=torch.where(on_device, r.tids, self._host_tids(r.tids)))
-        self._tally(r.tids, self._live(r), r.keys, s, train=True)
+        self._tally(r.tids, r.count, r.keys, s, train=True)
         if gate is not None:  # the rows the call made, in either tier, are its new ids admitted
             self._admit(r, gate, slots, (s.inserted & ~s.promoted) | s.made)
 
@@ -118,21 +123,11 @@ class TieredTableGroup(TableGroup):
         `first` on."""
         self._counts[:, first : first + len(columns)] += self._per_member(tids, live, columns)
 
-    def _tally(self, tids: torch.Tensor, live: torch.Tensor, keys: torch.Tensor, s: Swapped, train: bool) -> None:
-        """A swap's statistics per member: with train, a lookup's (lookups, hits and
-        inserts in either tier, rejections of members that insert, rows lost); promotions
-        and demotions, and rows lost, always."""
-        stored = s.slots >= 0
-        if train:
-            inserting = self._inserting[torch.where(live, tids, 0).long()].bool()  # (tids past a count: unset)
-            hits = (stored & ~s.inserted) | s.promoted | (s.held & ~s.made)
-            inserts = (s.inserted & ~s.promoted) | s.made
-            rejected = inserting & (keys != EMPTY_KEY) & ~stored & ~s.held
-            # (counters.COUNTED's order: lookups, hits, inserts, rejections, evictions)
-            self._add(tids, live, [torch.ones_like(live), hits, inserts, rejected, s.lost], LOOKUPS)
-        else:
-            self._add(tids, live, [s.lost], EVICTIONS)
-        self._moves += self._per_member(tids, live, [s.promoted, s.demoted])
+    def _tally(self, tids: torch.Tensor, count: torch.Tensor | None, keys: torch.Tensor, s: Swapped, train: bool) -> None:
+        """A swap's statistics per member, over the lanes before count[0]: with train, a
+        lookup's (lookups, hits and inserts in either tier, rejections of members that
+        insert, rows lost); promotions and demotions, and rows lost, always."""
+        count_swap(tids, keys, s, count, self._inserting, self._counts, self._moves, train)
 
     def prefetch(self, given: list[torch.Tensor]) -> None:
         """DynamicEmbedding.prefetch for every member at once (given: each member's ids;
@@ -146,30 +141,29 @@ class TieredTableGroup(TableGroup):
         live = torch.arange(keys.numel(), device=self.device) < count
         keys, tids = torch.where(live, keys, EMPTY_KEY), torch.where(live, tids, 0)  # (segments past the count are unset)
         previous, self._prefetched = self._prefetched, (keys, tids)
-        stack = self._stack()
         host_scores = torch.zeros_like(keys)
-        from_host = probe(stack, keys, self.bucket_size, 0, self._host_tids(tids), count=count, scores=host_scores)
+        from_host = probe(self._stack(), keys, self.bucket_size, 0, self._host_tids(tids), count=count, scores=host_scores)
         in_host = from_host >= 0
-        on_device = probe(stack, keys, self.bucket_size, 0, tids, count=count, found_only=True)
         # every stored id of the batch takes part, so that the claim evicts none of the
-        # batch's device rows to make room for its host rows. Step-scored members: the
-        # batch's rows on either tier get the next step's score; the others' host rows
-        # bring their scores, and their device rows keep theirs (the claim never lowers one)
+        # batch's device rows to make room for its host rows; an id not in host memory is
+        # barred (the claim finds it on the device, or leaves it out: a prefetch makes no
+        # row). Step-scored members: the batch's rows on either tier get the next step's
+        # score; the others' host rows bring their scores, and their device rows keep
+        # theirs (the claim never lowers one)
         stepped = self._stepped[tids.long()]
         next_scores = _to_device([m._step_score(m.step + 1) for m in self.members], torch.int64, self.device)
         scores = torch.where(stepped, next_scores[tids.long()], torch.where(in_host, host_scores, LOWEST_SCORE))
-        # (a lane not wanted is in neither tier: its slot in host memory is -1, as for the
-        # reserved key; past the count the probes left the flags unset, and the key is reserved)
-        keys = torch.where(in_host | on_device, keys, EMPTY_KEY)
+        barred = ~in_host  # (past the count the probe left it unset, and the key is reserved)
+        batch = count  # the lanes counted: the batch's
         if previous is not None and not self._all_stepped:
             # the batch prefetched before keeps its device rows (DynamicEmbedding.prefetch
-            # says why): its ids found there join the call, their scores unchanged, as
-            # lanes after the batch's (uncounted: the statistics take the batch's alone)
+            # says why): its ids join the call, barred, their scores unchanged, as lanes
+            # after the batch's (uncounted: the statistics take the batch's alone)
             old_keys, old_tids = previous
-            kept = probe(stack, old_keys, self.bucket_size, 0, old_tids, found_only=True)
-            keys, tids = torch.cat([keys, torch.where(kept, old_keys, EMPTY_KEY)]), torch.cat([tids, old_tids])
+            keys, tids = torch.cat([keys, old_keys]), torch.cat([tids, old_tids])
             scores = torch.cat([scores, torch.full_like(old_keys, LOWEST_SCORE)])
             from_host = torch.cat([torch.where(live, from_host, -1), from_host.new_full(old_keys.shape, -1)])
-            live, count = torch.cat([live, torch.zeros_like(kept)]), None
-        s = swap_in(self._tiers(), keys, tids, scores, count, from_host=from_host, force=self._force)
-        self._tally(tids, live, keys, s, train=False)
+            barred = torch.cat([barred, torch.ones_like(barred)])
+            count = None
+        s = swap_in(self._tiers(), keys, tids, scores, count, barred=barred, from_host=from_host, force=self._force)
+        self._tally(tids, batch, keys, s, train=False)

@@ -69,7 +69,8 @@ def swap_in(
     its row, and one of them is reported inserted. barred (N,) bool: keys that neither tier
     stores and that may not be given a row (admission: below the threshold).
     from_host (N,): the keys' slots in their host tiers (-1: not there), where the caller
-    has probed them already. force: a key the device tier does not hold takes its bucket's
+    has probed them already (else they are probed after the claim, for the keys it
+    inserted: no other key moves up). force: a key the device tier does not hold takes its bucket's
     lowest-score row not used by the call whatever its own score (promote_on_miss).
 
     A key found in host memory moves to the device (promoted); a key in neither tier is
@@ -87,14 +88,14 @@ def swap_in(
     if count is not None:
         live &= torch.arange(n, device=keys.device) < count
     host_tids = tids + host
-    if from_host is None:
-        from_host = probe(stack, keys, tiers.bucket_size, 0, host_tids, count=count)
     slots, inserted, evicted, victim_keys, victim_scores = claim(
         stack, keys, scores, tiers.bucket_size, tids, table_scores=table_scores, count=count, score_offset=score_offset,
         barred=barred, force=force,
     )
     if count is not None:  # (flags past the count are unset)
         inserted, evicted = inserted & live, evicted & live
+    if from_host is None:  # only a key the claim inserted can come up: the others are left out of the probe
+        from_host = probe(stack, torch.where(inserted, keys, EMPTY_KEY), tiers.bucket_size, 0, host_tids, count=count)
     promoted = inserted & (from_host >= 0)
     moving_up = torch.where(promoted, from_host, -1)
     mark_tier_slots(stack, tids, moving_up, host, PROTECT, count)
