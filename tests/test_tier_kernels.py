@@ -129,3 +129,29 @@ def test_count_swap(train, counted, ordered):
     assert int((outs[0][1] - start_moves).sum()) == int(flags[1][:live].sum() + flags[4][:live].sum())  # promoted, demoted
     changed = (outs[0][0] != start_counts).any(0).nonzero().flatten().tolist()
     assert changed == ([0, 1, 2, 3, 4] if train else [4])  # lookups .. evictions, or evictions alone
+
+
+@pytest.mark.parametrize("host_rows", [CAPACITY, 2**30])
+def test_host_order_puts_moving_lanes_first_by_host_address(host_rows):
+    """swap_in's order for a prefetch's exchange: lanes moving a row up by (table, up slot),
+    then lanes moving one down alone by (table, down slot), then the rest; int32 keys for
+    small host tiers, int64 where 2 · tables · rows passes int32 (host_rows 2^30)."""
+    from types import SimpleNamespace
+
+    from kernels.dynamic_embedding.tiers import _host_order
+
+    g = torch.Generator().manual_seed(host_rows % 97)
+    n = 200
+    tids = torch.randint(0, TABLES, (n,), generator=g).to(torch.int32)
+    up = torch.where(torch.rand(n, generator=g) < 0.4, torch.randint(0, CAPACITY, (n,), generator=g), -1)
+    down = torch.where(torch.rand(n, generator=g) < 0.5, torch.randint(0, CAPACITY, (n,), generator=g), -1)
+    host = [SimpleNamespace(keys=torch.empty(1).expand(host_rows)) for _ in range(TABLES)]
+    tiers = SimpleNamespace(stack=SimpleNamespace(tables=host + host), tables=TABLES)
+    order = _host_order(tiers, tids.to(DEVICE), up.to(DEVICE), down.to(DEVICE)).cpu()
+    assert torch.equal(order.sort().values, torch.arange(n))  # a permutation
+    kind = torch.where(up >= 0, 0, torch.where(down >= 0, 1, 2))
+    slot = torch.where(up >= 0, up, torch.where(down >= 0, down, 0))
+    seen = list(zip(kind[order].tolist(), tids[order].tolist(), slot[order].tolist()))
+    moving = [s for s in seen if s[0] < 2]
+    assert moving == sorted(moving) and all(s[0] == 2 for s in seen[len(moving):])
+    assert {s[0] for s in seen} == {0, 1, 2}

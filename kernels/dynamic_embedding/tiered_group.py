@@ -165,5 +165,7 @@ class TieredTableGroup(TableGroup):
             from_host = torch.cat([torch.where(live, from_host, -1), from_host.new_full(old_keys.shape, -1)])
             barred = torch.cat([barred, torch.ones_like(barred)])
             count = None
-        s = swap_in(self._tiers(), keys, tids, scores, count, barred=barred, from_host=from_host, force=self._force)
+        s = swap_in(  # (its exchange in host-address order: a prefetch moves most of an iteration's rows)
+            self._tiers(), keys, tids, scores, count, barred=barred, from_host=from_host, force=self._force, ordered=True,
+        )
         self._tally(tids, batch, keys, s, train=False)

@@ -61,7 +61,7 @@ class Swapped(NamedTuple):
 def swap_in(
     tiers: Tiers, keys: torch.Tensor, tids: torch.Tensor, scores: torch.Tensor, count: torch.Tensor | None = None,
     table_scores: bool = False, score_offset: int = 0, barred: torch.Tensor | None = None,
-    from_host: torch.Tensor | None = None, force: bool = False,
+    from_host: torch.Tensor | None = None, force: bool = False, ordered: bool = False,
 ) -> Swapped:
     """Device rows for `keys` (N,) of tables `tids` (N,), with `scores` (N,), or with
     table_scores one per table plus score_offset (as claim takes them). EMPTY_KEY lanes,
@@ -70,8 +70,12 @@ def swap_in(
     stores and that may not be given a row (admission: below the threshold).
     from_host (N,): the keys' slots in their host tiers (-1: not there), where the caller
     has probed them already (else they are probed after the claim, for the keys it
-    inserted: no other key moves up). force: a key the device tier does not hold takes its bucket's
-    lowest-score row not used by the call whatever its own score (promote_on_miss).
+    inserted: no other key moves up). force: a key the device tier does not hold takes
+    its bucket's lowest-score row not used by the call whatever its own score
+    (promote_on_miss). ordered: the exchange takes the moving lanes first, in the order of
+    their host rows (_host_order), for a call that moves many rows (a prefetch): host
+    memory serves rows in address order faster than scattered ones, by more than the sort
+    costs there (benchmarks/embedding_tuning.md).
 
     A key found in host memory moves to the device (promoted); a key in neither tier is
     inserted with its initial row. Device rows that the inserts evict move to host memory
@@ -112,7 +116,12 @@ def swap_in(
     )
     counted = _counted(count, keys)
     # victims down and host rows up, in one pass over PCIe both ways
-    exchange_tier_rows(stack, tids, slots, torch.where(evicted, down, -1), moving_up, host, tiers.row_dim, count)
+    going = torch.where(evicted, down, -1)
+    if ordered:  # the moving lanes first, by host address (table, then slot): rows up, then rows down alone
+        order = _host_order(tiers, tids, moving_up, going)  # (lanes past a count move nothing: no count needed)
+        exchange_tier_rows(stack, tids[order], slots[order], going[order], moving_up[order], host, tiers.row_dim)
+    else:
+        exchange_tier_rows(stack, tids, slots, going, moving_up, host, tiers.row_dim, count)
     init_rows(keys, tids, slots, inserted & ~promoted, counted, stack, tiers.seeds, tiers.scales, tiers.dim)
     made = rowless & down_inserted
     init_rows(keys, host_tids, down, made, counted, stack, tiers.seeds, tiers.scales, tiers.dim, whole_rows=True)
@@ -123,6 +132,16 @@ def swap_in(
     demoted = evicted & (down >= 0)
     lost = (evicted & (down < 0)) | (host_evicted & live)
     return Swapped(slots, inserted, promoted, held, down, made, demoted, lost)
+
+
+def _host_order(tiers: Tiers, tids: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The lanes in the order of their host rows: those moving up by (table, up slot), then
+    those moving down alone by (table, down slot), then the rest. The keys are int32 where
+    they fit (a sort of half the passes)."""
+    span = max(t.keys.numel() for t in tiers.stack.tables[tiers.tables :])
+    t = tids.to(torch.int64) * span
+    key = torch.where(up >= 0, t + up, torch.where(down >= 0, tiers.tables * span + t + down, 2 * tiers.tables * span))
+    return (key.to(torch.int32) if 2 * tiers.tables * span < 2**31 else key).argsort()
 
 
 def _counted(count: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
