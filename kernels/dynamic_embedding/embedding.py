@@ -415,7 +415,7 @@ class DynamicEmbedding:
         if self._swaps:  # ids in neither tier are left out
             s = swap_in(
                 self._tier_stack, torch.where(wanted, uniq, EMPTY_KEY), torch.zeros_like(uniq, dtype=torch.int32), scores,
-                force=self.config.promote_on_miss,
+                force=self.config.promote_on_miss, ordered=True,
             )
             self._moves += torch.stack([s.promoted.sum(), s.demoted.sum()])
             self._counts[EVICTIONS] += s.lost.sum()
