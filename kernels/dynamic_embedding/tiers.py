@@ -66,8 +66,9 @@ def swap_in(
     """Device rows for `keys` (N,) of tables `tids` (N,), with `scores` (N,), or with
     table_scores one per table plus score_offset (as claim takes them). EMPTY_KEY lanes,
     and lanes from count[0] on where a count is given, are skipped; copies of a key share
-    its row, and one of them is reported inserted. barred (N,) bool: keys that neither tier
-    stores and that may not be given a row (admission: below the threshold).
+    its row, and one of them is reported inserted. barred (N,) bool: keys the call finds on
+    the device if stored there but gives no row otherwise (admission: new keys below the
+    threshold; a prefetch: keys not in host memory).
     from_host (N,): the keys' slots in their host tiers (-1: not there), where the caller
     has probed them already (else they are probed after the claim, for the keys it
     inserted: no other key moves up). force: a key the device tier does not hold takes
