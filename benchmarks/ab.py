@@ -17,6 +17,7 @@ field per row and code, one column per round.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,8 +44,9 @@ def run_once(root: Path, script: str, args: list[str], out: Path, label: str) ->
     path = root / script
     if not path.is_file():
         raise SystemExit(f"{path}: no such script in {root}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # (its lines as they come, not at its exit)
     proc = subprocess.Popen([sys.executable, str(path), *args, "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     for line in proc.stdout:
         print(f"[{label}] {line}", end="")
     if proc.wait() != 0:
