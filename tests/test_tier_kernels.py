@@ -145,8 +145,7 @@ def test_host_order_puts_moving_lanes_first_by_host_address(host_rows):
     tids = torch.randint(0, TABLES, (n,), generator=g).to(torch.int32)
     up = torch.where(torch.rand(n, generator=g) < 0.4, torch.randint(0, CAPACITY, (n,), generator=g), -1)
     down = torch.where(torch.rand(n, generator=g) < 0.5, torch.randint(0, CAPACITY, (n,), generator=g), -1)
-    host = [SimpleNamespace(keys=torch.empty(1).expand(host_rows)) for _ in range(TABLES)]
-    tiers = SimpleNamespace(stack=SimpleNamespace(tables=host + host), tables=TABLES)
+    tiers = SimpleNamespace(tables=TABLES, host_rows=host_rows)
     order = _host_order(tiers, tids.to(DEVICE), up.to(DEVICE), down.to(DEVICE)).cpu()
     assert torch.equal(order.sort().values, torch.arange(n))  # a permutation
     kind = torch.where(up >= 0, 0, torch.where(down >= 0, 1, 2))

@@ -25,7 +25,7 @@ class Tiers:
     """T tiered tables addressed together. stack: their T device tiers, then their T host
     tiers in the same order (table t's host tier is t + T); seeds and scales (2T,) on the
     device: each tier's initial rows' (both tiers of a table alike); dim: the embedding's
-    width within a row."""
+    width within a row; host_rows: the most slots of any host tier (they never grow)."""
 
     stack: TableStack
     tables: int
@@ -33,6 +33,7 @@ class Tiers:
     seeds: torch.Tensor
     scales: torch.Tensor
     dim: int
+    host_rows: int
 
     @property
     def row_dim(self) -> int:
@@ -139,7 +140,7 @@ def _host_order(tiers: Tiers, tids: torch.Tensor, up: torch.Tensor, down: torch.
     """The lanes in the order of their host rows: those moving up by (table, up slot), then
     those moving down alone by (table, down slot), then the rest. The keys are int32 where
     they fit (a sort of half the passes)."""
-    span = max(t.keys.numel() for t in tiers.stack.tables[tiers.tables :])
+    span = tiers.host_rows
     t = tids.to(torch.int64) * span
     key = torch.where(up >= 0, t + up, torch.where(down >= 0, tiers.tables * span + t + down, 2 * tiers.tables * span))
     return (key.to(torch.int32) if 2 * tiers.tables * span < 2**31 else key).argsort()
@@ -158,4 +159,5 @@ def tiers_of(devices: list, hosts: list, inits: list[tuple[int, float, int]], mo
     desc = torch.stack([t.descriptor(m) for t, m in zip(tables, list(modes) * 2)])
     seeds = torch.tensor([i[0] for i in inits] * 2, dtype=torch.int64).to(first.device)
     scales = torch.tensor([i[1] for i in inits] * 2, dtype=torch.float64).to(first.device)
-    return Tiers(TableStack(desc, tables), len(devices), first.bucket_size, seeds, scales, inits[0][2])
+    host_rows = max(t.keys.numel() for t in hosts)
+    return Tiers(TableStack(desc, tables), len(devices), first.bucket_size, seeds, scales, inits[0][2], host_rows)
