@@ -154,3 +154,55 @@ def test_host_order_puts_moving_lanes_first_by_host_address(host_rows):
     moving = [s for s in seen if s[0] < 2]
     assert moving == sorted(moving) and all(s[0] == 2 for s in seen[len(moving):])
     assert {s[0] for s in seen} == {0, 1, 2}
+
+
+def swap_lanes(g: torch.Generator, n: int):
+    """Random lanes of a swap: keys (a tenth reserved), tables, device slots (a third -1)
+    and flags as a claim leaves them."""
+    keys = torch.where(torch.rand(n, generator=g) < 0.1, -(2**63), torch.randint(0, 10**6, (n,), generator=g))
+    tids = torch.randint(0, TABLES, (n,), generator=g).to(torch.int32)
+    slots = torch.where(torch.rand(n, generator=g) < 0.3, -1, torch.randint(0, CAPACITY, (n,), generator=g))
+    flag = lambda p: torch.rand(n, generator=g) < p  # noqa: E731
+    return keys, tids, slots, flag
+
+
+@pytest.mark.parametrize("counted", [False, True])
+@pytest.mark.parametrize("table_scores", [False, True])
+@pytest.mark.parametrize("with_barred", [False, True])
+def test_host_claim_lanes(counted, table_scores, with_barred):
+    """The host claim's lanes after a device claim: flags masked to live lanes (reserved
+    keys and lanes past a count unset), promotions where a host slot is known, victims and
+    rowless keys with their scores (per lane, or per table plus an offset)."""
+    g = torch.Generator().manual_seed(counted * 4 + table_scores * 2 + with_barred)
+    n = 2 * kernels.FLAGS_BLOCK + 37
+    keys, tids, slots, flag = swap_lanes(g, n)
+    inserted, evicted, barred = flag(0.4), flag(0.3), flag(0.2) if with_barred else None
+    victim_keys, victim_scores = torch.randint(0, 10**6, (n,), generator=g), torch.randint(0, 99, (n,), generator=g)
+    from_host = torch.where(flag(0.5), torch.randint(0, CAPACITY, (n,), generator=g), -1)
+    scores = torch.randint(0, 50, (TABLES,) if table_scores else (n,), generator=g)
+    count = torch.tensor([n - 500], dtype=torch.int32).to(DEVICE) if counted else None
+    args = [x.to(DEVICE) if x is not None else None for x in (keys, tids, slots, inserted, evicted, victim_keys, victim_scores, from_host, barred, scores)]
+    got = kernels.host_claim_lanes(*args, 7, table_scores, count)
+    want = twins.host_claim_lanes_reference(*args, 7, table_scores, count)
+    names = ("inserted", "evicted", "promoted", "up", "rowless", "host_keys", "host_scores")
+    for name, x, y in zip(names, got, want):
+        assert torch.equal(x.cpu(), y.cpu()), name
+    assert int(got[2].sum()) > 0 and int(got[4].sum()) > 0 and int(got[1].sum()) > 0  # some of each
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_swap_outcome(counted):
+    """A swap's outcome per lane from its flags and the host claim's slots."""
+    g = torch.Generator().manual_seed(int(counted))
+    n = 2 * kernels.FLAGS_BLOCK + 37
+    keys, _, _, flag = swap_lanes(g, n)
+    inserted, evicted, promoted, rowless = flag(0.4), flag(0.3), flag(0.2), flag(0.3)
+    down = torch.where(flag(0.7), torch.randint(0, CAPACITY, (n,), generator=g), -1)
+    down_inserted, host_evicted = flag(0.5), flag(0.1)
+    count = torch.tensor([n - 500], dtype=torch.int32).to(DEVICE) if counted else None
+    args = [x.to(DEVICE) for x in (keys, inserted, evicted, promoted, rowless, down, down_inserted, host_evicted)]
+    got = kernels.swap_outcome(*args, count)
+    want = twins.swap_outcome_reference(*args, count)
+    for name, x, y in zip(("going", "fresh", "made", "held", "demoted", "lost"), got, want):
+        assert torch.equal(x.cpu(), y.cpu()), name
+        assert name == "going" or int(x.sum()) > 0

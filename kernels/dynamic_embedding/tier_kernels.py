@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import cdiv, launch, next_power_of_2
+from ..launch import aligned_empty, cdiv, launch, next_power_of_2
 from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
 from .probe_kernels import K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, TableStack, _field
 
@@ -20,6 +20,7 @@ TIER_BLOCK, TIER_WARPS = 16, 4  # lanes per program of exchange_tier_rows, and i
 TIER_DIM_BLOCK = 128  # columns it moves at a time (benchmarks/embedding_tuning.md)
 MARK_BLOCK = 256  # lanes per program of mark_tier_slots
 COUNT_BLOCK = 1024  # lanes per program of count_swap
+FLAGS_BLOCK = 1024  # lanes per program of host_claim_lanes and swap_outcome
 K_NO_TABLE = tl.constexpr(2**31)  # above every table's index
 PROTECT, RELEASE = 0, 1  # mark_tier_slots' actions
 K_PROTECT = tl.constexpr(PROTECT)  # (kernels read only constexpr globals)
@@ -189,3 +190,116 @@ def count_swap(
         tids, keys, s.slots, *flags, n, count if count is not None else tids, inserting, counts, moves,
         COUNTED=count is not None, TRAIN=train, BLOCK=COUNT_BLOCK,
     )
+
+
+@triton.jit
+def _all_lanes(count_ptr, n, BLOCK: tl.constexpr, COUNTED: tl.constexpr):
+    """This program's lanes of n, whether each is inside (before count[0] where COUNTED),
+    and whether each is written (before n)."""
+    lanes, inside = _live_lanes(count_ptr, n, BLOCK, COUNTED)
+    return lanes, inside, lanes < n
+
+
+@triton.jit(do_not_specialize=["n", "score_offset"])
+def _host_claim_lanes_kernel(
+    key_ptr, tid_ptr, slot_ptr, inserted_ptr, evicted_ptr, victim_key_ptr, victim_score_ptr, from_host_ptr, barred_ptr,
+    score_ptr, score_offset, n, count_ptr, inserted_out_ptr, evicted_out_ptr, promoted_ptr, up_ptr, rowless_ptr,
+    host_key_ptr, host_score_ptr, COUNTED: tl.constexpr, BARRED: tl.constexpr, TABLE_SCORES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """host_claim_lanes for a block of lanes: every lane before n written, those at or
+    past the count as lanes that do nothing."""
+    lanes, inside, written = _all_lanes(count_ptr, n, BLOCK, COUNTED)
+    key = tl.load(key_ptr + lanes, mask=inside, other=K_EMPTY_KEY)
+    live = inside & (key != K_EMPTY_KEY)
+    inserted = _flag(inserted_ptr, lanes, live)
+    evicted = _flag(evicted_ptr, lanes, live)
+    from_host = tl.load(from_host_ptr + lanes, mask=live, other=-1)
+    promoted = inserted & (from_host >= 0)
+    rowless = live & (tl.load(slot_ptr + lanes, mask=live, other=0) < 0)
+    if BARRED:
+        rowless = rowless & (tl.load(barred_ptr + lanes, mask=live, other=1) == 0)
+    if TABLE_SCORES:
+        t = tl.load(tid_ptr + lanes, mask=live, other=0).to(tl.int64)
+        score = tl.where(live, tl.load(score_ptr + t, mask=live, other=0) + score_offset, 0)
+    else:
+        score = tl.load(score_ptr + lanes, mask=live, other=0)
+    victim_key = tl.load(victim_key_ptr + lanes, mask=evicted, other=K_EMPTY_KEY)
+    victim_score = tl.load(victim_score_ptr + lanes, mask=evicted, other=0)
+    tl.store(inserted_out_ptr + lanes, inserted.to(tl.int8), mask=written)
+    tl.store(evicted_out_ptr + lanes, evicted.to(tl.int8), mask=written)
+    tl.store(promoted_ptr + lanes, promoted.to(tl.int8), mask=written)
+    tl.store(rowless_ptr + lanes, rowless.to(tl.int8), mask=written)
+    tl.store(up_ptr + lanes, tl.where(promoted, from_host, -1), mask=written)
+    tl.store(host_key_ptr + lanes, tl.where(evicted, victim_key, tl.where(rowless, key, K_EMPTY_KEY)), mask=written)
+    tl.store(host_score_ptr + lanes, tl.where(evicted, victim_score, score), mask=written)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _swap_outcome_kernel(
+    key_ptr, inserted_ptr, evicted_ptr, promoted_ptr, rowless_ptr, down_ptr, down_inserted_ptr, host_evicted_ptr, n,
+    count_ptr, going_ptr, fresh_ptr, made_ptr, held_ptr, demoted_ptr, lost_ptr, COUNTED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """swap_outcome for a block of lanes (every lane before n written)."""
+    lanes, inside, written = _all_lanes(count_ptr, n, BLOCK, COUNTED)
+    live = inside & (tl.load(key_ptr + lanes, mask=inside, other=K_EMPTY_KEY) != K_EMPTY_KEY)
+    evicted = _flag(evicted_ptr, lanes, live)
+    rowless = _flag(rowless_ptr, lanes, live)
+    down = tl.load(down_ptr + lanes, mask=evicted | rowless, other=-1)
+    kept = down >= 0
+    tl.store(going_ptr + lanes, tl.where(evicted, down, -1), mask=written)
+    tl.store(fresh_ptr + lanes, (_flag(inserted_ptr, lanes, live) & ~_flag(promoted_ptr, lanes, live)).to(tl.int8), mask=written)
+    tl.store(made_ptr + lanes, (rowless & _flag(down_inserted_ptr, lanes, live)).to(tl.int8), mask=written)
+    tl.store(held_ptr + lanes, (rowless & kept).to(tl.int8), mask=written)
+    tl.store(demoted_ptr + lanes, (evicted & kept).to(tl.int8), mask=written)
+    lost = (evicted & ~kept) | _flag(host_evicted_ptr, lanes, live)
+    tl.store(lost_ptr + lanes, lost.to(tl.int8), mask=written)
+
+
+def host_claim_lanes(
+    keys, tids, slots, inserted, evicted, victim_keys, victim_scores, from_host, barred, scores, score_offset: int,
+    table_scores: bool, count,
+):
+    """After a swap's device claim, per lane (N,): (inserted, evicted, promoted, up,
+    rowless, host_keys, host_scores). A lane is live if its key is not the reserved one
+    (and it lies before count[0] where a count is given); other lanes come back with every
+    flag unset, up -1 and the reserved key. inserted and evicted: the claim's, for live
+    lanes; promoted: inserted with a host slot (from_host >= 0); up: that slot, else -1;
+    rowless: live without a device slot (slots < 0) and not barred (barred (N,) bool or
+    None); host_keys and host_scores, what the host claim takes: an evicted lane's victim
+    (victim_keys, victim_scores), else a rowless lane's key with its score (scores per
+    lane, or with table_scores per table tids[i] plus score_offset), else the reserved key."""
+    n = keys.numel()
+    flags = aligned_empty(4, n, torch.int8, keys.device)  # inserted, evicted, promoted, rowless
+    up, host_keys, host_scores = aligned_empty(3, n, torch.int64, keys.device)
+    if n:
+        launch(
+            _host_claim_lanes_kernel, (cdiv(n, FLAGS_BLOCK),),
+            keys, tids, slots, inserted.view(torch.int8), evicted.view(torch.int8), victim_keys, victim_scores, from_host,
+            barred.view(torch.int8) if barred is not None else keys, scores, score_offset, n,
+            count if count is not None else keys, *flags[:3], up, flags[3], host_keys, host_scores,
+            COUNTED=count is not None, BARRED=barred is not None, TABLE_SCORES=table_scores, BLOCK=FLAGS_BLOCK,
+        )
+    inserted, evicted, promoted, rowless = (x.view(torch.bool) for x in flags)
+    return inserted, evicted, promoted, up, rowless, host_keys, host_scores
+
+
+def swap_outcome(keys, inserted, evicted, promoted, rowless, down, down_inserted, host_evicted, count):
+    """After a swap's host claim (down: each lane's host slot, -1 for none; down_inserted
+    and host_evicted: the host claim's flags), per lane (N,): (going, fresh, made, held,
+    demoted, lost), unset for lanes not live (the reserved key, or at or past count[0]).
+    going: an evicted lane's host slot for its victim, else -1; fresh: inserted on the
+    device and not promoted (its row is new); made: rowless, given a new host row; held:
+    rowless, with a host row; demoted: evicted, its victim kept in host memory; lost:
+    evicted with no host row for its victim, or the host claim evicted a row for it."""
+    n = keys.numel()
+    going = torch.empty(n, dtype=torch.int64, device=keys.device)
+    fresh, made, held, demoted, lost = aligned_empty(5, n, torch.int8, keys.device)
+    if n:
+        launch(
+            _swap_outcome_kernel, (cdiv(n, FLAGS_BLOCK),),
+            keys, inserted.view(torch.int8), evicted.view(torch.int8), promoted.view(torch.int8), rowless.view(torch.int8),
+            down, down_inserted.view(torch.int8), host_evicted.view(torch.int8), n, count if count is not None else keys,
+            going, fresh, made, held, demoted, lost, COUNTED=count is not None, BLOCK=FLAGS_BLOCK,
+        )
+    return (going, *(x.view(torch.bool) for x in (fresh, made, held, demoted, lost)))

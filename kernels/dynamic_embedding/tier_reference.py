@@ -66,3 +66,33 @@ def count_swap_reference(tids, keys, swapped, count, inserting, counts, moves, t
         add(counts, INSERTS, (s["inserted"] & ~s["promoted"]) | s["made"])
         no_row = (keys[live] != EMPTY_KEY) & ~on_device & ~s["held"]
         add(counts, REJECTIONS, no_row & inserting.bool()[table])
+
+
+def host_claim_lanes_reference(
+    keys, tids, slots, inserted, evicted, victim_keys, victim_scores, from_host, barred, scores, score_offset, table_scores, count,
+):
+    live = _live(keys.numel(), count, keys.device) & (keys != EMPTY_KEY)
+    inserted, evicted = inserted & live, evicted & live
+    promoted = inserted & (from_host >= 0)
+    up = torch.where(promoted, from_host, torch.full_like(from_host, -1))
+    rowless = live & (slots < 0) & (~barred if barred is not None else True)
+    if table_scores:
+        lane_scores = scores[torch.where(live, tids.long(), 0)] + score_offset
+    else:
+        lane_scores = scores
+    host_keys = torch.full_like(keys, EMPTY_KEY)
+    host_keys[rowless] = keys[rowless]
+    host_keys[evicted] = victim_keys[evicted]
+    host_scores = torch.where(live, lane_scores, 0)  # (unread where the key is reserved)
+    host_scores[evicted] = victim_scores[evicted]
+    return inserted, evicted, promoted, up, rowless, host_keys, host_scores
+
+
+def swap_outcome_reference(keys, inserted, evicted, promoted, rowless, down, down_inserted, host_evicted, count):
+    live = _live(keys.numel(), count, keys.device) & (keys != EMPTY_KEY)
+    evicted, rowless = evicted & live, rowless & live
+    with_row = live & (down >= 0)
+    going = torch.where(evicted, down, -1)
+    fresh = live & inserted & ~promoted
+    made = rowless & down_inserted
+    return going, fresh, made, rowless & with_row, evicted & with_row, (evicted & ~with_row) | (live & host_evicted)

@@ -17,7 +17,7 @@ from .claim_kernels import claim
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import init_rows
 from .probe_kernels import TableStack, probe
-from .tier_kernels import PROTECT, RELEASE, exchange_tier_rows, mark_tier_slots
+from .tier_kernels import PROTECT, RELEASE, exchange_tier_rows, host_claim_lanes, mark_tier_slots, swap_outcome
 
 
 @dataclass(frozen=True)
@@ -89,50 +89,38 @@ def swap_in(
     are kept from that claim (their slots are emptied after it: the rows demoted in the
     same call go elsewhere), so no row is staged in a buffer.
     """
-    stack, host, n = tiers.stack, tiers.tables, keys.numel()
-    live = keys != EMPTY_KEY
-    if count is not None:
-        live &= torch.arange(n, device=keys.device) < count
+    stack, host = tiers.stack, tiers.tables
     host_tids = tids + host
     slots, inserted, evicted, victim_keys, victim_scores = claim(
         stack, keys, scores, tiers.bucket_size, tids, table_scores=table_scores, count=count, score_offset=score_offset,
         barred=barred, force=force,
     )
-    if count is not None:  # (flags past the count are unset)
-        inserted, evicted = inserted & live, evicted & live
     if from_host is None:  # only a key the claim inserted can come up: the others are left out of the probe
         from_host = probe(stack, torch.where(inserted, keys, EMPTY_KEY), tiers.bucket_size, 0, host_tids, count=count)
-    promoted = inserted & (from_host >= 0)
-    moving_up = torch.where(promoted, from_host, -1)
-    mark_tier_slots(stack, tids, moving_up, host, PROTECT, count)
     # one host claim per lane: an evicting lane's victim (its slot still holds the
     # victim's row: it moves down before the new row comes in), or a key left without a
-    # device row
-    rowless = live & (slots < 0)
-    if barred is not None:
-        rowless &= ~barred
-    key_scores = scores[torch.where(live, tids, 0).long()] + score_offset if table_scores else scores
-    down, down_inserted, host_evicted, _, _ = claim(
-        stack, torch.where(evicted, victim_keys, torch.where(rowless, keys, EMPTY_KEY)),
-        torch.where(evicted, victim_scores, key_scores), tiers.bucket_size, host_tids, count=count,
+    # device row (rowless)
+    inserted, evicted, promoted, moving_up, rowless, host_keys, host_scores = host_claim_lanes(
+        keys, tids, slots, inserted, evicted, victim_keys, victim_scores, from_host, barred, scores, score_offset,
+        table_scores, count,
+    )
+    mark_tier_slots(stack, tids, moving_up, host, PROTECT, count)
+    down, down_inserted, host_evicted, _, _ = claim(stack, host_keys, host_scores, tiers.bucket_size, host_tids, count=count)
+    going, fresh, made, held, demoted, lost = swap_outcome(
+        keys, inserted, evicted, promoted, rowless, down, down_inserted, host_evicted, count,
     )
     counted = _counted(count, keys)
     # victims down and host rows up, in one pass over PCIe both ways
-    going = torch.where(evicted, down, -1)
     if ordered:  # the moving lanes first, by host address (table, then slot): rows up, then rows down alone
         order = _host_order(tiers, tids, moving_up, going)  # (lanes past a count move nothing: no count needed)
         exchange_tier_rows(stack, tids[order], slots[order], going[order], moving_up[order], host, tiers.row_dim)
     else:
         exchange_tier_rows(stack, tids, slots, going, moving_up, host, tiers.row_dim, count)
-    init_rows(keys, tids, slots, inserted & ~promoted, counted, stack, tiers.seeds, tiers.scales, tiers.dim)
-    made = rowless & down_inserted
+    init_rows(keys, tids, slots, fresh, counted, stack, tiers.seeds, tiers.scales, tiers.dim)
     init_rows(keys, host_tids, down, made, counted, stack, tiers.seeds, tiers.scales, tiers.dim, whole_rows=True)
     mark_tier_slots(stack, tids, moving_up, host, RELEASE, count)
     for t in stack.tables:
         t.placements += 1
-    held = rowless & (down >= 0)
-    demoted = evicted & (down >= 0)
-    lost = (evicted & (down < 0)) | (host_evicted & live)
     return Swapped(slots, inserted, promoted, held, down, made, demoted, lost)
 
 
