@@ -48,10 +48,13 @@ def distinct_slots(g: torch.Generator, tids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("counted", [False, True])
-def test_exchange_tier_rows(counted):
+@pytest.mark.parametrize("tiles", [(kernels.TIER_BLOCK, kernels.TIER_WARPS, kernels.TIER_DIM_BLOCK), (8, 4, 8)])
+def test_exchange_tier_rows(counted, tiles):
     """Device rows down to host slots and host rows up into the same device slots; some
-    lanes move one way only, some none (a whole program's lanes among them). Host slots going up are not written by the lanes
-    going down, as swap_in guarantees (it protects them)."""
+    lanes move one way only, some none (a whole program's lanes among them), with the
+    kernel's tiling and with a small one (lanes per program, warps, columns at a time:
+    a row in two steps). Host slots going up are not written by the lanes going down, as
+    swap_in guarantees (it protects them)."""
     g = torch.Generator().manual_seed(int(counted))
     n = 40
     tids = torch.randint(0, TABLES, (n,), generator=g).to(torch.int32)
@@ -64,15 +67,16 @@ def test_exchange_tier_rows(counted):
         down[mine], up[mine] = perm[: mine.numel()], perm[mine.numel() : 2 * mine.numel()]
     down = torch.where(torch.rand(n, generator=g) < 0.3, -1, down)
     up = torch.where(torch.rand(n, generator=g) < 0.3, -1, up)
-    # a program's worth of lanes (TIER_BLOCK) that move nothing, then lanes that only move up
-    block = kernels.TIER_BLOCK
+    # a program's worth of lanes that move nothing (the last program's where it is shorter),
+    # and lanes that only move up
+    block = tiles[0]
     slots[block : 2 * block] = -1
-    down[2 * block :] = -1
+    down[:6] = -1
     count = torch.tensor([n - 3], dtype=torch.int32).to(DEVICE) if counted else None
     outs = []
     for f in (kernels.exchange_tier_rows, twins.exchange_tier_rows_reference):
         stack = tiers(3)
-        f(stack, tids.to(DEVICE), slots.to(DEVICE), down.to(DEVICE), up.to(DEVICE), TABLES, ROW_DIM, count)
+        f(stack, tids.to(DEVICE), slots.to(DEVICE), down.to(DEVICE), up.to(DEVICE), TABLES, ROW_DIM, count, tiles=tiles)
         outs.append(state(stack))
     for x, y in zip(*outs):
         assert torch.equal(x, y)

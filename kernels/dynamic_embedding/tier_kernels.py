@@ -16,8 +16,8 @@ from ..launch import aligned_empty, cdiv, launch, next_power_of_2
 from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
 from .probe_kernels import K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, TableStack, _field
 
-TIER_BLOCK, TIER_WARPS = 16, 4  # lanes per program of exchange_tier_rows, and its warps
-TIER_DIM_BLOCK = 128  # columns it moves at a time (benchmarks/embedding_tuning.md)
+TIER_BLOCK, TIER_WARPS = 32, 8  # lanes per program of exchange_tier_rows, and its warps
+TIER_DIM_BLOCK = 256  # columns it moves at a time (benchmarks/embedding_tuning.md)
 MARK_BLOCK = 256  # lanes per program of mark_tier_slots
 COUNT_BLOCK = 1024  # lanes per program of count_swap
 FLAGS_BLOCK = 1024  # lanes per program of host_claim_lanes and swap_outcome
@@ -136,21 +136,24 @@ def _count_swap_kernel(
 
 def exchange_tier_rows(
     stack: TableStack, tids: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, up: torch.Tensor, host: int, width: int,
-    count: torch.Tensor | None = None,
+    count: torch.Tensor | None = None, tiles: tuple[int, int, int] = (TIER_BLOCK, TIER_WARPS, TIER_DIM_BLOCK),
 ) -> None:
     """For each lane with slots[i] >= 0 (of the first count[0] lanes where a count is
     given), in table tids[i]'s device tier and its host tier (table tids[i] + host): the device row at slots[i] moves to host slot
     down[i] (its first `width` values, zeros to the stride: whole lines), and the host row
     at up[i] moves to the device slot; a negative down or up skips that move. Each lane's
-    rows are read before they are written; no lane may write where another reads."""
+    rows are read before they are written; no lane may write where another reads.
+    tiles: (lanes per program, warps, columns at a time); the defaults are the tuned ones
+    (`benchmarks/tier_bandwidth.py --tiles` times others)."""
     n = tids.numel()
     if n == 0:
         return
+    block, warps, dim_block = tiles
     stride = stack.tables[0].row_stride
     launch(
-        _exchange_tier_rows_kernel, (cdiv(n, TIER_BLOCK),),
+        _exchange_tier_rows_kernel, (cdiv(n, block),),
         tids, slots, down, up, n, count if count is not None else tids, stack.desc, host, width, stride,
-        COUNTED=count is not None, BLOCK=TIER_BLOCK, DIM_BLOCK=min(TIER_DIM_BLOCK, next_power_of_2(stride)), num_warps=TIER_WARPS,
+        COUNTED=count is not None, BLOCK=block, DIM_BLOCK=min(dim_block, next_power_of_2(stride)), num_warps=warps,
     )
 
 

@@ -23,7 +23,8 @@ def _full_rows(table) -> torch.Tensor:
     return torch.as_strided(v, (v.shape[0], v.stride(0)), (v.stride(0), 1))
 
 
-def exchange_tier_rows_reference(stack, tids, slots, down, up, host, width, count=None) -> None:
+def exchange_tier_rows_reference(stack, tids, slots, down, up, host, width, count=None, tiles=None) -> None:
+    # (tiles, the kernel's tiling, changes nothing that moves)
     live = _live(tids.numel(), count, tids.device) & (slots >= 0)
     lanes = live.nonzero().flatten().tolist()
     # every row read first, then written
