@@ -1,12 +1,13 @@
-"""One benchmark run on two versions of the code, alternated on one machine.
+"""One benchmark run on two versions of the code (or more), alternated on one machine.
 
-    python benchmarks/ab.py --against DIR [--this DIR] [--rounds 2] [--metric ms_mean] [--out PATH] SCRIPT [ARGS ...]
+    python benchmarks/ab.py --against DIR [--against DIR ...] [--this DIR] [--rounds 2] [--metric ms_mean] [--out PATH] SCRIPT [ARGS ...]
 
 SCRIPT (a path inside the repository, say benchmarks/embedding_training.py) runs with ARGS
 from DIR (another checkout, or `git archive REV | tar -x -C DIR`) and from this checkout
 (or --this) in turn; ab.py's own options come before SCRIPT, and SCRIPT's --out is ab.py's
 to set. Each run is a process of its own that imports its own checkout's code; --rounds
-rounds, DIR first in each. Figures from one lease compare; figures from two leases of one
+rounds, each DIR in the order given first in each (several --against time several
+variants beside this checkout on one lease). Figures from one lease compare; figures from two leases of one
 kind of machine move by a few percent, which is what alternating on one lease removes.
 
 Each run writes its JSON (SCRIPT's --out, which the benchmarks that write results take) and
@@ -79,7 +80,8 @@ def summary(rows: list[dict], metric: str, codes: list[str], rounds: int) -> str
 
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--against", type=Path, required=True, help="the other checkout (runs first in each round)")
+    p.add_argument("--against", type=Path, required=True, action="append",
+                   help="another checkout (runs before this one in each round; repeat for more)")
     p.add_argument("--this", type=Path, default=HERE, help="the checkout timed against it (default: this one)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--metric", help="a row field to print per code and round (ms_mean, say)")
@@ -89,10 +91,10 @@ def main(argv: list[str] | None = None) -> Path:
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
-    roots = [a.against.resolve(), a.this.resolve()]
+    roots = [d.resolve() for d in a.against] + [a.this.resolve()]
     codes = [code_label(r) for r in roots]
-    if codes[0] == codes[1]:
-        codes = [f"{codes[0]} ({r})" for r in roots]  # one commit in two places: name them apart
+    if len(set(codes)) < len(codes):
+        codes = [f"{c} ({r})" for c, r in zip(codes, roots)]  # one commit in two places: name them apart
     rows, meta = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(1, a.rounds + 1):
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> Path:
                 got = run_once(root, a.script, a.args, Path(tmp) / f"{len(rows)}.json", f"{code} {i}")
                 meta = meta or got.get("meta", {})
                 rows += [dict(r, code=code, round=i) for r in got["results"]]
-    command = f"python benchmarks/ab.py --against {a.against} --rounds {a.rounds} {a.script} {' '.join(a.args)}".strip()
+    against = " ".join(f"--against {d}" for d in a.against)
+    command = f"python benchmarks/ab.py {against} --rounds {a.rounds} {a.script} {' '.join(a.args)}".strip()
     out = a.out or HERE / "benchmarks" / "results" / f"{Path(a.script).stem}_ab.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": {**meta, "command": command, "codes": dict(zip(codes, map(str, roots)))}, "results": rows}, indent=1))

@@ -1,5 +1,5 @@
-"""benchmarks/ab.py: a benchmark script run from two checkouts in turn, its rows gathered
-with their code and round."""
+"""benchmarks/ab.py: a benchmark script run from two checkouts (or more) in turn, its rows
+gathered with their code and round."""
 import json
 import subprocess
 from pathlib import Path
@@ -46,6 +46,20 @@ def test_runs_alternate_and_rows_keep_their_code_and_round(tmp_path, capsys):
     assert f"[{codes[0]} 1] timing old" in printed and f"[{codes[1]} 3] timing new" in printed
     table = [line.split() for line in printed.splitlines() if line.startswith("large")]
     assert table == [["large", codes[0], "40", "40", "40"], ["large", codes[1], "30", "30", "30"]]
+
+
+def test_several_checkouts_run_in_the_order_given_each_round(tmp_path, capsys):
+    a, b, new = checkout(tmp_path, "a", 3.0), checkout(tmp_path, "b", 2.0), checkout(tmp_path, "new", 1.0)
+    out = main(["--against", str(a), "--against", str(b), "--this", str(new), "--rounds", "2", "--metric", "ms_mean",
+                "--out", str(tmp_path / "ab.json"), "benchmarks/fake.py", "--size", "1"])
+    got = json.loads(out.read_text())
+    codes = [str(a), str(b), str(new)]
+    assert [(r["code"], r["round"]) for r in got["results"]] == [(c, i) for i in (1, 2) for c in codes for _ in range(2)]
+    assert [r["ms_mean"] for r in got["results"] if r["shape"] == "small"] == [3.0, 2.0, 1.0] * 2
+    assert got["meta"]["command"].startswith(f"python benchmarks/ab.py --against {a} --against {b} --rounds 2")
+    assert list(got["meta"]["codes"]) == codes
+    table = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("small")]
+    assert table == [["small", codes[0], "3", "3"], ["small", codes[1], "2", "2"], ["small", codes[2], "1", "1"]]
 
 
 def test_a_failing_run_stops_with_its_script_named(tmp_path):
