@@ -2,6 +2,7 @@
 a CPU, at full size on a GPU), and the twin's masks and gradients on their own."""
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from kernels.hstu_attention import allowed_pairs, hstu_attention, reference, time_buckets, triton_kernels
 
@@ -99,6 +100,39 @@ def test_programs_of_one_head_and_of_two_match_the_twin(heads):
     """An even head count runs the forward two heads a program (four heads: two such pairs
     per sequence), an odd one a head a program."""
     test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float32, heads, 32, 16, True, 3)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_head_dim_256_matches_the_twin(heads):
+    """The largest head dim the kernels serve; on an H100 two heads of 256 do not fit a
+    forward program's shared memory, so there they run a head a program."""
+    test_triton_attention_matches_the_twin_forward_and_backward([5, 0, 33], torch.float32, heads, 256, 256, True, 3)
+
+
+class _NoRoomForPairs:
+    """triton_kernels._forward on a device whose shared memory holds no paired tiling
+    (the autotuner's launch raises OutOfResources before the kernel runs), or none at all."""
+
+    def __init__(self, forward, unpaired_too=False):
+        self.forward, self.unpaired_too, self.paired_calls = forward, unpaired_too, 0
+
+    def __call__(self, grid, args, constants):
+        if constants["PAIR"] or self.unpaired_too:
+            self.paired_calls += constants["PAIR"]
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return self.forward(grid, args, constants)
+
+
+def test_paired_heads_that_do_not_fit_run_a_head_a_program(monkeypatch):
+    no_room = _NoRoomForPairs(triton_kernels._forward)
+    monkeypatch.setattr(triton_kernels, "_forward", no_room)
+    monkeypatch.setattr(triton_kernels, "_unpaired", set())
+    for _ in range(2):  # the second call goes to one head a program at once
+        test_triton_attention_matches_the_twin_forward_and_backward([5, 0, 33], torch.float32, 2, 32, 16, False, 0)
+    assert no_room.paired_calls == 1 and len(triton_kernels._unpaired) == 1
+    monkeypatch.setattr(triton_kernels, "_forward", _NoRoomForPairs(triton_kernels._forward, unpaired_too=True))
+    with pytest.raises(RuntimeError, match="head dims 32 \\(q, k\\) and 16 \\(v\\) need more shared memory"):
+        test_triton_attention_matches_the_twin_forward_and_backward([5, 0, 33], torch.float32, 2, 32, 16, False, 0)
 
 
 @pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])

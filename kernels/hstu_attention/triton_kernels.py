@@ -2,7 +2,8 @@
 reference.py (which states the computation and the masks).
 
 Forward: a program per block of BLOCK_M query rows of one sequence and head (or of two
-consecutive heads, where the head count is even) steps through the key blocks its rows may
+consecutive heads, where the head count is even and the device's shared memory holds both
+heads' blocks) steps through the key blocks its rows may
 attend to, computing the scores in float32 with the two biases looked up from their tables
 inside the kernel (no (L, L) tensor in memory), and accumulates SiLU(scores) / max_seq_len
 · V. The biases and the mask are the same for every head, and cost more per pair than the
@@ -25,6 +26,7 @@ float32 as the twin's int64 gap does.
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ..autotune import TunedLaunches, autotuned
 from ..launch import cdiv, next_power_of_2
@@ -368,6 +370,12 @@ def _time_tables(time_bias: torch.Tensor, offsets: torch.Tensor, timestamps: tor
     return (*_tables[key], ext, ext.shape[1])
 
 
+# (device, dtype, BLOCK_DQK, BLOCK_DV) where no tiling of the forward with two heads a
+# program fits the device's shared memory (every head dim above 128 on an H100; head dim
+# 128 on GPUs of about 100 KB a block): those run one head a program
+_unpaired: set = set()
+
+
 def _launch_shape(q, v, offsets, max_seq_len):
     """(heads, sequences × heads, the head dims and their blocks as the kernels' constants)."""
     dqk, dv = q.shape[2], v.shape[2]
@@ -386,16 +394,27 @@ def hstu_attention(
     heads, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
     out = v.new_empty(v.shape)
     if out.numel() and programs:
-        length_class = next_power_of_2(max_seq_len)
-        pair = heads % 2 == 0  # two heads a program, which share the per-pair bias work
-        constants = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), PAIR=pair, **dims)
-        _forward(
-            _grid("BLOCK_M", programs // 2 if pair else programs, max_seq_len),
-            (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
-             *_time_tables(time_bias, offsets, timestamps, max_seq_len), heads, max_seq_len, time_bias.numel() - 1,
-             context_len, 1.0 / max_seq_len, length_class),
-            constants,
-        )
+        args = (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
+                *_time_tables(time_bias, offsets, timestamps, max_seq_len), heads, max_seq_len, time_bias.numel() - 1,
+                context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
+        common = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), **dims)
+        # two heads a program, which share the per-pair bias work, where the head count is
+        # even and the device's shared memory holds both heads' key and value blocks
+        unpaired_key = (q.device, q.dtype, dims["BLOCK_DQK"], dims["BLOCK_DV"])
+        if heads % 2 == 0 and unpaired_key not in _unpaired:
+            try:
+                _forward(_grid("BLOCK_M", programs // 2, max_seq_len), args, dict(common, PAIR=True))
+                return out
+            except OutOfResources:  # raised before the kernel runs: nothing written
+                _unpaired.add(unpaired_key)
+        try:
+            _forward(_grid("BLOCK_M", programs, max_seq_len), args, dict(common, PAIR=False))
+        except OutOfResources as e:
+            device = torch.cuda.get_device_name(q.device) if q.is_cuda else str(q.device)
+            raise RuntimeError(
+                f"hstu_attention: head dims {q.shape[2]} (q, k) and {v.shape[2]} (v) need more shared memory than "
+                f"{device} has for any tile of the forward ({e})"
+            ) from e
     return out
 
 

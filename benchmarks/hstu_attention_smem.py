@@ -1,0 +1,80 @@
+"""Shared memory each tuning configuration of the HSTU attention kernels needs, per head dim
+and GPU architecture, without a GPU: Triton compiles the kernels for the target on the CPU
+and reports the bytes a program takes.
+
+    python benchmarks/hstu_attention_smem.py [--arch 90] [--head-dims 64 128 256] [--out FILE]
+
+A configuration whose need is above the architecture's limit per block (LIMITS) fails to
+load there: the autotuner skips it, and where none of the forward's paired tilings fits,
+hstu_attention runs a head a program. bf16 inputs, head dims equal for q, k and v.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import triton
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_path import write_results  # noqa: E402
+
+from kernels.hstu_attention import triton_kernels as tk  # noqa: E402
+
+# the most shared memory a block may take (bytes), by compute capability
+LIMITS = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+POINTERS = {"offsets_ptr": "*i64", "timestamps_ptr": "*i64", "targets_ptr": "*i64", "thresholds_ptr": "*fp64", "ext_ptr": "*fp64"}
+INTS = ["ext_blocks", "heads", "max_seq_len", "num_buckets", "context_len", "length_class"]
+
+
+def signature(kernel) -> dict:
+    """Triton types of a kernel's runtime parameters (bf16 tensors, float32 tables)."""
+    types = {}
+    for name in kernel.arg_names:
+        if name in POINTERS:
+            types[name] = POINTERS[name]
+        elif name.endswith("_ptr"):
+            types[name] = "*bf16" if name[0] in "qkvdo" else "*fp32"
+        elif name in INTS:
+            types[name] = "i32"
+        elif name == "scale":
+            types[name] = "fp32"
+    return types
+
+
+def shared_bytes(kernel, config, arch: int, constants: dict) -> int:
+    types = signature(kernel)
+    consts = {**constants, **config.kwargs}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr")}
+    src = ASTSource(fn=kernel, signature={**types, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
+    compiled = triton_compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    return compiled.metadata.shared
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90, choices=sorted(LIMITS))
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hstu_attention_smem_sm<arch>.json)")
+    args = p.parse_args()
+    limit = LIMITS[args.arch]
+    kernels = [("forward, one head", tk._forward_kernel, dict(PAIR=False)), ("forward, two heads", tk._forward_kernel, dict(PAIR=True)),
+               ("backward dK dV", tk._backward_kv_kernel, {}), ("backward dQ", tk._backward_q_kernel, dict(BIAS_GRADS=True))]
+    rows = []
+    print(f"sm_{args.arch}: at most {limit} bytes of shared memory a block")
+    for dim in args.head_dims:
+        for label, kernel, extra in kernels:
+            constants = dict(HAS_TARGETS=False, TWO_BUCKET_TILES=True, DQK=dim, DV=dim, BLOCK_DQK=dim, BLOCK_DV=dim, **extra)
+            for config in tk.CONFIGS:
+                need = shared_bytes(kernel, config, args.arch, constants)
+                tiling = f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
+                rows.append({"arch": args.arch, "head_dim": dim, "kernel": label, "tiling": tiling, "shared_bytes": need, "fits": need <= limit})
+                print(f"{dim:>4}  {label:<20}{tiling:<28}{need:>9}  {'fits' if need <= limit else 'too large'}", flush=True)
+    write_results("hstu_attention_smem", rows, args.out or str(Path(__file__).parent / "results" / f"hstu_attention_smem_sm{args.arch}.json"),
+                  device="cpu", arch=args.arch, limit=limit, triton=triton.__version__)
+
+
+if __name__ == "__main__":
+    main()
