@@ -18,7 +18,7 @@ those coming up in theirs.
 
 `--tiles` times the exchange kernel's tilings (lanes per program, warps, columns at a
 time: TILINGS) on both ways at once "by up", the order the prefetch gives its lanes,
-each twice; the kernel's defaults are tier_kernels.TIER_BLOCK, TIER_WARPS, TIER_DIM_BLOCK.
+each twice; the kernel's own is tier_kernels.TIER_TILING.
 """
 import argparse
 import statistics
@@ -32,11 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_path import write_results  # noqa: E402
 
 from kernels.dynamic_embedding.probe_kernels import TableStack  # noqa: E402
-from kernels.dynamic_embedding.tier_kernels import TIER_BLOCK, TIER_DIM_BLOCK, TIER_WARPS, exchange_tier_rows  # noqa: E402
+from kernels.dynamic_embedding.tier_kernels import TIER_TILING, exchange_tier_rows  # noqa: E402
 from kernels.dynamic_embedding.triton_table import TritonHashTable  # noqa: E402
 
 CALLS = 20
-DEFAULT_TILING = (TIER_BLOCK, TIER_WARPS, TIER_DIM_BLOCK)
 TILINGS = [(b, w, d) for b in (8, 16, 32, 64) for w in (4, 8) for d in (128, 256, 512)]
 
 
@@ -85,7 +84,7 @@ def main() -> None:
             ("both", "by down", [(slots[by_down], down_sorted, up[by_down])]),
             ("both", "two passes", [(slots[by_down], down_sorted, none), (slots[by_up], none, up_sorted)]),
         ]
-    runs = [(name, order, passes, DEFAULT_TILING) for name, order, passes in cases]
+    runs = [(name, order, passes, TIER_TILING) for name, order, passes in cases]
     if args.tiles:
         by_up_lanes = [(slots[by_up], down[by_up], up_sorted)]
         runs += [("both", "by up", by_up_lanes, tiling) for _ in range(2) for tiling in TILINGS]

@@ -48,7 +48,7 @@ def distinct_slots(g: torch.Generator, tids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("counted", [False, True])
-@pytest.mark.parametrize("tiles", [(kernels.TIER_BLOCK, kernels.TIER_WARPS, kernels.TIER_DIM_BLOCK), (8, 4, 8)])
+@pytest.mark.parametrize("tiles", [kernels.TIER_TILING, (8, 4, 8)])
 def test_exchange_tier_rows(counted, tiles):
     """Device rows down to host slots and host rows up into the same device slots; some
     lanes move one way only, some none (a whole program's lanes among them), with the

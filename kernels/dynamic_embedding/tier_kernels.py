@@ -16,8 +16,9 @@ from ..launch import aligned_empty, cdiv, launch, next_power_of_2
 from .counters import K_EVICTIONS, K_HITS, K_INSERTS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
 from .probe_kernels import K_ABOVE_ALL, K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, TableStack, _field
 
-TIER_BLOCK, TIER_WARPS = 32, 8  # lanes per program of exchange_tier_rows, and its warps
-TIER_DIM_BLOCK = 256  # columns it moves at a time (benchmarks/embedding_tuning.md)
+# exchange_tier_rows' tiling: lanes per program, warps, columns moved at a time
+# (benchmarks/embedding_tuning.md)
+TIER_TILING = (32, 8, 256)
 MARK_BLOCK = 256  # lanes per program of mark_tier_slots
 COUNT_BLOCK = 1024  # lanes per program of count_swap
 FLAGS_BLOCK = 1024  # lanes per program of host_claim_lanes and swap_outcome
@@ -136,14 +137,14 @@ def _count_swap_kernel(
 
 def exchange_tier_rows(
     stack: TableStack, tids: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, up: torch.Tensor, host: int, width: int,
-    count: torch.Tensor | None = None, tiles: tuple[int, int, int] = (TIER_BLOCK, TIER_WARPS, TIER_DIM_BLOCK),
+    count: torch.Tensor | None = None, tiles: tuple[int, int, int] = TIER_TILING,
 ) -> None:
     """For each lane with slots[i] >= 0 (of the first count[0] lanes where a count is
     given), in table tids[i]'s device tier and its host tier (table tids[i] + host): the device row at slots[i] moves to host slot
     down[i] (its first `width` values, zeros to the stride: whole lines), and the host row
     at up[i] moves to the device slot; a negative down or up skips that move. Each lane's
     rows are read before they are written; no lane may write where another reads.
-    tiles: (lanes per program, warps, columns at a time); the defaults are the tuned ones
+    tiles: (lanes per program, warps, columns at a time); TIER_TILING is the tuned one
     (`benchmarks/tier_bandwidth.py --tiles` times others)."""
     n = tids.numel()
     if n == 0:
