@@ -198,8 +198,10 @@ def count_swap(
 
 @triton.jit
 def _all_lanes(count_ptr, n, BLOCK: tl.constexpr, COUNTED: tl.constexpr):
-    """This program's lanes of n, whether each is inside (before count[0] where COUNTED),
-    and whether each is written (before n)."""
+    """(lanes, inside, written) of this program: `inside` marks the lanes the kernel reads
+    and flags (before count[0] where COUNTED, else before n); `written` marks every lane
+    of the outputs (before n), so that lanes past the count come back unset rather than
+    holding whatever the fresh output tensors held."""
     lanes, inside = _live_lanes(count_ptr, n, BLOCK, COUNTED)
     return lanes, inside, lanes < n
 
