@@ -44,7 +44,10 @@ def _biases(
         bias = tl.load(position_ptr + rel).to(tl.float32) + tl.where(bucket, high, low)
     else:
         bucket = _gap_bucket(gap, edges_ptr, num_buckets)
-        bias = tl.load(position_ptr + rel).to(tl.float32) + tl.load(time_ptr + bucket).to(tl.float32)
+        # the two gathers summed as a pair along a third axis (the same float32 sum): Triton
+        # moves a gathered tile into the product's layout through shared memory, and the
+        # joined pair's sum is one such move where `a + b` makes one per gather
+        bias = tl.sum(tl.join(tl.load(position_ptr + rel).to(tl.float32), tl.load(time_ptr + bucket).to(tl.float32)), axis=2)
     return bias, rel, bucket
 
 
