@@ -200,8 +200,8 @@ def count_swap(
 def _all_lanes(count_ptr, n, BLOCK: tl.constexpr, COUNTED: tl.constexpr):
     """(lanes, inside, written) of this program: `inside` marks the lanes the kernel reads
     and flags (before count[0] where COUNTED, else before n); `written` marks every lane
-    of the outputs (before n), so that lanes past the count come back unset rather than
-    holding whatever the fresh output tensors held."""
+    of the outputs (before n): the outputs are allocated uninitialized, so the lanes past
+    the count are written as lanes that do nothing."""
     lanes, inside = _live_lanes(count_ptr, n, BLOCK, COUNTED)
     return lanes, inside, lanes < n
 
