@@ -74,19 +74,19 @@ def main() -> None:
     row_bytes = tables[0].row_stride * 4
     by_up, by_down = up.argsort(), down.argsort()
     down_sorted, up_sorted = down[by_down], up[by_up]
+    by_up_lanes = [(slots[by_up], down[by_up], up_sorted)]  # both ways, the lanes by their up slot
     cases = [("up", "random", [(slots, none, up)]), ("down", "random", [(slots, down, none)]),
              ("both", "random", [(slots, down, up)])]
     if args.orders:
         cases += [
             ("up", "sorted", [(slots, none, up_sorted)]), ("down", "sorted", [(slots, down_sorted, none)]),
             ("both", "sorted", [(slots, down_sorted, up_sorted)]),
-            ("both", "by up", [(slots[by_up], down[by_up], up_sorted)]),
+            ("both", "by up", by_up_lanes),
             ("both", "by down", [(slots[by_down], down_sorted, up[by_down])]),
             ("both", "two passes", [(slots[by_down], down_sorted, none), (slots[by_up], none, up_sorted)]),
         ]
     runs = [(name, order, passes, TIER_TILING) for name, order, passes in cases]
     if args.tiles:
-        by_up_lanes = [(slots[by_up], down[by_up], up_sorted)]
         runs += [("both", "by up", by_up_lanes, tiling) for _ in range(2) for tiling in TILINGS]
     rows = []
     for name, order, passes, tiling in runs:
