@@ -106,8 +106,8 @@ def test_programs_of_one_head_and_of_two_match_the_twin(heads):
 def test_head_dim_256_matches_the_twin(heads):
     """The largest head dim the kernels serve; on an H100 or H200 two heads of 256 do not
     fit a forward program's shared memory, so there they run a head a program. float16:
-    on a GPU float32's products at this width compiled for minutes (no result in 300 s on
-    an H200), 16-bit ones in seconds."""
+    the float32 case gave no result in 300 s on an H200, likely its compile (exact float32
+    products are FMA loops, minutes per kernel), where 16-bit cases ran in seconds."""
     test_triton_attention_matches_the_twin_forward_and_backward([5, 0, 33], torch.float16, heads, 256, 256, True, 3)
 
 
