@@ -131,7 +131,11 @@ class HSTULightningModule(L.LightningModule):
             done = step_graph(*inputs, neg_rows, index, self.config.temperature) if step_graph is not None else None
             if done is not None:  # the whole step replayed: the weights are updated
                 loss, x_grad, emb_grad = done
-                rows.backward(rows_gradient(rows, sources, x_grad, emb_grad))  # to the looked-up rows (and genres)
+                grad = rows_gradient(rows, sources, x_grad, emb_grad)
+                if rows.is_leaf and rows.grad is None:  # the item rows alone: what backward would leave in .grad
+                    rows.grad = grad
+                else:  # through the pooled genres too
+                    rows.backward(grad)
                 return self._step(loss, looked, batch, dense_done=True)
             if targets.numel():
                 if self.graphed is not None:

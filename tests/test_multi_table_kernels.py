@@ -132,6 +132,24 @@ def test_gather_embeddings():
     assert torch.equal(got, want)
 
 
+def test_growth_checks():
+    stack = tables(13, DIM)
+    g = torch.Generator().manual_seed(14)
+    n = 300
+    seg_tids = torch.randint(0, TABLES, (n,), generator=g).to(DEVICE)
+    # -2: left out by a full bucket; -1: not stored (refused, or a read)
+    slots = torch.where(torch.rand(n, generator=g) < 0.2, -2, torch.randint(-1, CAPACITY, (n,), generator=g)).to(DEVICE)
+    count = torch.tensor([250], dtype=torch.int32, device=DEVICE)
+    growing = torch.tensor([0, 2], device=DEVICE)
+    got = kernels.growth_checks(seg_tids, slots, count, stack, growing, 8, CAPACITY)
+    want = twins.growth_checks_reference(seg_tids, slots, count, stack, growing, 8, CAPACITY)
+    assert torch.equal(got, want)
+    # every table's full segments of the count only; sizes of the growing tables only
+    full = [int(((seg_tids[:250] == t) & (slots[:250] == -2)).sum()) for t in range(TABLES)]
+    assert got[:, 0].tolist() == full and min(full) > 0
+    assert got[:, 1].tolist() == [stack.tables[0].size(), 0, stack.tables[2].size()] and got[0, 1] > 0
+
+
 def test_admission_gate():
     main = tables(10, DIM)
     n = 250

@@ -24,7 +24,7 @@ from ..launch import aligned_empty, cdiv, launch, next_power_of_2
 from .claim_kernels import resident_grid
 from .triton_optimizers import _load_rows, _step_rows, optimizer_args
 from .counters import K_ADMISSION_REJECTIONS, K_ADMISSIONS, K_HITS, K_LOOKUPS, K_NUM_COUNTED, K_REJECTIONS
-from .probe_kernels import K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _SCORES, _VALUES, TableStack, _field, _hash
+from .probe_kernels import K_EMPTY_KEY, ROW_ALIGN, _DIGESTS, _KEYS, _MASK, _SCORES, _VALUES, TableStack, _field, _hash
 
 SLOT_BITS = tl.constexpr(40)  # packed (table, slot): the slot's bits
 SLOT_MASK = tl.constexpr((1 << SLOT_BITS.value) - 1)
@@ -326,6 +326,33 @@ def _segment_rows_kernel(
 
 
 @triton.jit(do_not_specialize=["n"])
+def _growth_check_kernel(seg_tid_ptr, slot_ptr, count_ptr, n, desc_ptr, growing_ptr, bucket_size, out_ptr, BLOCK: tl.constexpr):
+    """Program (b, 0): the segments of block b (of the first count_ptr[0]) that a full
+    bucket left without a slot (slot -2), added to out[t, 0] of their table t. Program
+    (b, 1 + g): the stored keys in block b of the slots of table growing[g], added to
+    out[t, 1]."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    if j == 0:
+        live = offs < tl.minimum(tl.load(count_ptr), n)
+        slot = tl.load(slot_ptr + offs, mask=live, other=0)
+        full = live & (slot == -2)
+        if tl.max(full.to(tl.int32), axis=0) > 0:  # (rare: a bucket is full just before a growth)
+            t = tl.load(seg_tid_ptr + offs, mask=full, other=0).to(tl.int64)
+            tl.atomic_add(out_ptr + t * 2, full.to(tl.int64), mask=full, sem="relaxed")
+    else:
+        t = tl.load(growing_ptr + j - 1).to(tl.int64)
+        capacity = (_field(desc_ptr, t, _MASK) + 1) * bucket_size
+        if b * BLOCK < capacity:
+            keys = _field(desc_ptr, t, _KEYS).to(tl.pointer_type(tl.int64))
+            key = tl.load(keys + offs, mask=offs < capacity, other=K_EMPTY_KEY)
+            stored = tl.sum((key != K_EMPTY_KEY).to(tl.int64), axis=0)
+            if stored > 0:
+                tl.atomic_add(out_ptr + t * 2 + 1, stored, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n"])
 def _gate_kernel(tid_ptr, counted_ptr, uses_ptr, count_ptr, n, admits_ptr, threshold_ptr, seen_ptr, barred_ptr, BLOCK: tl.constexpr):
     """Before a claim, for a block of segments (n entries, the first count_ptr[0] used):
     seen[s], the id's count (counted: its counter row's score, plus uses: its copies in
@@ -427,6 +454,20 @@ def segment_rows(seg_tids, slots, count, rows, rowless, counts, inserting, count
         seg_tids, slots, count, rows, rowless, counts, inserting, counts.shape[0],
         BLOCK=SCAN_BLOCK, COUNT=counted is not None, TRAIN=bool(counted),
     )
+
+
+def growth_checks(seg_tids, slots, count, stack: TableStack, growing, bucket_size: int, max_capacity: int) -> torch.Tensor:
+    """(T, 2) int64, after a claim of the count[0] segments: per table, its segments left
+    without a slot by a full bucket (slot -2), and for the tables in growing (member
+    indices, a tensor on the device) the keys stored, every slot of the table counted
+    (max_capacity: the largest capacity among them; 0 for the others)."""
+    n = slots.numel()
+    out = torch.zeros(stack.desc.shape[0], 2, dtype=torch.int64, device=slots.device)
+    launch(
+        _growth_check_kernel, (max(cdiv(n, SCAN_BLOCK), cdiv(max_capacity, SCAN_BLOCK), 1), 1 + growing.numel()),
+        seg_tids, slots, count, n, stack.desc, growing, bucket_size, out, BLOCK=SCAN_BLOCK,
+    )
+    return out
 
 
 def init_rows(keys, tids, slots, inserted, count, stack: TableStack, seeds, scales, dim: int, whole_rows: bool = False) -> None:

@@ -70,6 +70,18 @@ def segment_rows_reference(seg_tids, slots, count, rows, rowless, counts, insert
             counts[table, REJECTIONS] += (lookups - hits) * int(inserting[table])
 
 
+def growth_checks_reference(seg_tids, slots, count, stack, growing, bucket_size: int, max_capacity: int) -> torch.Tensor:
+    """(T, 2) int64: per table, its segments (of the first count[0]) with slot -2, and
+    for the tables in growing the keys stored (not the reserved key); 0 for the others."""
+    out = torch.zeros(len(stack.tables), 2, dtype=torch.int64, device=slots.device)
+    c = int(count[0])
+    t = seg_tids[:c].to(torch.int64)
+    out[:, 0].index_add_(0, t, (slots[:c] == -2).to(torch.int64))
+    for i in growing.tolist():
+        out[i, 1] = int((stack.tables[i].keys != EMPTY_KEY).sum())
+    return out
+
+
 def init_rows_reference(keys, tids, slots, inserted, count, stack, seeds, scales, dim: int, whole_rows: bool = False) -> None:
     """Rows of the inserted ones of the count[0] segments: their initial embedding, then
     zeros to the row's end (the optimizer state), or with whole_rows to its stride."""

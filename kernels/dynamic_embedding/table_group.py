@@ -34,7 +34,8 @@ import torch
 from .counters import HITS, REJECTIONS
 from .embedding import STEP_POLICIES, DynamicEmbedding, epoch_use_score
 from .multi_table_kernels import (
-    Gradients, TableStack, admission_gate, admit, gather_embeddings, init_rows, number_segments, segment_rows, update_segments,
+    Gradients, TableStack, admission_gate, admit, gather_embeddings, growth_checks, init_rows, number_segments, segment_rows,
+    update_segments,
 )
 from .claim_kernels import claim
 from .probe_kernels import GROW, READ_ONLY, probe
@@ -153,6 +154,7 @@ class TableGroup:
         self.empty = torch.empty(0, dtype=torch.int64, device=self.device)  # ids of a feature not in a call
         self.routing: _Routing | None = None
         self._pending: _PendingGrowth | None = None  # a growth check to settle
+        self._check_buffer: tuple | None = None  # (pinned (T, 2) int64, event): growth checks on their way to the host
         for m in members:  # the members' own calls settle it first (weakly: no cycle)
             m._group_settle = weakref.WeakMethod(self._settle)
 
@@ -181,6 +183,8 @@ class TableGroup:
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
+            if len(sizes) == 1:  # one member: every lane is table 0's
+                return torch.zeros(bounds[-1], dtype=torch.int32, device=self.device), _to_device(bounds, torch.int64, self.device)
             # repeated on the device from counts copied without waiting (sizes vary per call)
             tables = torch.arange(len(sizes), dtype=torch.int32, device=self.device)
             tids = torch.repeat_interleave(tables, _to_device(list(sizes), torch.int64, self.device), output_size=bounds[-1])
@@ -380,16 +384,21 @@ class TableGroup:
         return out
 
     def _growth_checks(self, r: _Routing, slots: torch.Tensor, growing: list[int]):
-        """(checks, event): per growing member, the ids it had no slot for and its size,
-        on their way to the host (pinned memory, an event after the copy); on a CPU the
-        tensor itself and None. _read_checks reads them."""
-        full = self._flagged_per_member(r, slots == -2)
-        checks = torch.stack([torch.stack([full[i], self.members[i].table.size_on_device()]) for i in growing])
+        """(checks, event): per member (T, 2), the ids it had no slot for and, for the
+        growing ones, its size, on their way to the host (one kernel, then a copy to
+        pinned memory and an event after it); on a CPU the tensor itself and None.
+        _read_checks reads them. The pinned buffer and the event are the group's own, used
+        again by each check: a check is read (settled) before the next one is made."""
+        members = tuple(growing)
+        on_device = self._cached("growing", members, lambda: _to_device(list(members), torch.int64, self.device))
+        capacity = max(self.members[i].table.capacity for i in growing)
+        checks = growth_checks(r.tids, slots, r.count, self._stack(), on_device, self.bucket_size, capacity)
         if self.device.type != "cuda":
             return checks, None
-        host = torch.empty(checks.shape, dtype=checks.dtype, pin_memory=True)
+        if self._check_buffer is None:
+            self._check_buffer = torch.empty(checks.shape, dtype=checks.dtype, pin_memory=True), torch.cuda.Event()
+        host, event = self._check_buffer
         host.copy_(checks, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         return host, event
 
@@ -428,12 +437,12 @@ class TableGroup:
         r.placements = self._placements()
 
     def _must_grow(self, growing: list[int], checks: list) -> list:
-        """The tables of the growing members that must grow, by their checks (ids without a
-        slot, size): an id found its bucket full, or the table passed its load factor (as
-        a table alone grows)."""
+        """The tables of the growing members that must grow, by their checks (per member:
+        ids without a slot, size): an id found its bucket full, or the table passed its
+        load factor (as a table alone grows)."""
         return [
-            self.members[i].table for i, (no_slot, size) in zip(growing, checks)
-            if no_slot or size > self.members[i].table.max_load_factor * self.members[i].table.capacity
+            self.members[i].table for i in growing
+            if checks[i][0] or checks[i][1] > self.members[i].table.max_load_factor * self.members[i].table.capacity
         ]
 
     def _claim_growing(self, r: _Routing, scored: tuple[torch.Tensor, int, bool], barred: torch.Tensor | None):
