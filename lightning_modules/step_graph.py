@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .cuda_graphs import CapturedLoss, GraphedHSTU, autocast_dtype, capture_autocast
 
@@ -122,7 +121,7 @@ class GraphedTrainingStep:
         b.timestamps.copy_(pts)
         b.offsets.copy_(poff)
         b.item_emb.detach().copy_(item_emb.detach())
-        b.target_index.copy_(F.pad(target_index, (0, rows - P)))  # padding rows: any item (their queries are zeroed)
+        b.target_index[:P].copy_(target_index)  # padding rows: any item, as left (their queries are zeroed)
         b.graph.replay()
         return b.loss.clone(), b.x.grad[:P], b.item_emb.grad
 
