@@ -4,7 +4,8 @@ A call's lanes (one id of one table each) are numbered by segment, one per disti
 (table, id), through a scratch hash map: the tables are probed once per distinct id and
 each lane gathers its segment's row. The update sorts the lanes by segment, so that the
 lanes of one id lie together, then sums each segment's gradients and applies the
-optimizer in one pass. Also here: initial rows made in the kernel and per-table counting.
+optimizer in one pass. Also here: initial rows made in the kernel, per-table counting and the
+growth check (whether a growing table must grow).
 
 Each operation is one launcher at the end of this file (a kernel or a few), as
 table_group.py calls it; multi_table_reference.py holds its PyTorch twin, with the same
