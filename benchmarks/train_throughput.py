@@ -39,6 +39,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.host_sections import HostSections  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
 from lightning_modules.config import PRESETS, preset  # noqa: E402
 from lightning_modules.data import SequenceDataModule  # noqa: E402
@@ -78,11 +79,15 @@ class StepTimer(L.Callback):
     one's kernels, as in training). The timed batches' lengths stay on the device until
     the end."""
 
-    def __init__(self, warmup: int, device: str, profiler=None, count_syncs: bool = False, host_profiler: cProfile.Profile | None = None):
+    def __init__(
+        self, warmup: int, device: str, profiler=None, count_syncs: bool = False, host_profiler: cProfile.Profile | None = None,
+        sections: HostSections | None = None,
+    ):
         self.warmup, self.device = warmup, device
         self.start, self.elapsed, self.steps, self.lengths = None, None, 0, []
         self.profiler = profiler  # torch.profiler over the timed steps, or None
         self.host_profiler = host_profiler  # cProfile over the timed steps' main thread, or None
+        self.sections = sections  # host time by section over the timed steps, or None
         # CUDA: torch warns at each operation of the timed steps that waits for the device;
         # Triton's kernels compiled in the timed steps are listed too
         self.count_syncs = count_syncs and device == "cuda"
@@ -105,6 +110,8 @@ class StepTimer(L.Callback):
                 triton.knobs.runtime.jit_post_compile_hook = self._on_compile
             if self.host_profiler is not None:
                 self.host_profiler.enable()
+            if self.sections is not None:
+                self.sections.start()
             self.start = time.perf_counter()
         elif trainer.global_step > self.warmup:
             self.lengths.append(batch["input_offsets"].diff())  # no read back until the end
@@ -112,6 +119,8 @@ class StepTimer(L.Callback):
             if trainer.global_step == trainer.max_steps:
                 self._sync()
                 self.elapsed = time.perf_counter() - self.start
+                if self.sections is not None:
+                    self.sections.stop()
                 if self.host_profiler is not None:
                     self.host_profiler.disable()
                 if self.count_syncs:
@@ -134,7 +143,7 @@ def sync_sites(caught: list) -> Counter:
 def run(
     device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
     cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2, whole_item_table: int | None = None,
-    compile_blocks: bool | None = None, host_profile: bool = False, layer_norm_kernel: bool | None = None,
+    compile_blocks: bool | None = None, host_profile: bool = False, layer_norm_kernel: bool | None = None, host_sections: bool = False,
 ) -> dict:
     config = preset(preset_name).override(
         batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets, compile_blocks=compile_blocks, embedding_capacity=whole_item_table,
@@ -155,7 +164,8 @@ def run(
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
             profiler = torch.profiler.profile(activities=activities)
         host_profiler = cProfile.Profile() if host_profile else None
-        timer = StepTimer(warmup, device, profiler, count_syncs, host_profiler)
+        sections = HostSections() if host_sections else None
+        timer = StepTimer(warmup, device, profiler, count_syncs, host_profiler, sections)
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
@@ -165,7 +175,11 @@ def run(
         with warnings.catch_warnings(record=True) if timer.count_syncs else contextlib.nullcontext([]) as caught:
             if timer.count_syncs:
                 warnings.simplefilter("always")
-            trainer.fit(module, datamodule=data)
+            try:
+                trainer.fit(module, datamodule=data)
+            finally:
+                if sections is not None:
+                    sections.restore()
     if profiler is not None:
         Path(profile).mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(Path(profile) / f"{preset_name}.json"))
@@ -182,6 +196,8 @@ def run(
         stats.sort_stats("tottime").print_stats(HOST_PROFILE_ROWS)
         stats.sort_stats("cumulative").print_stats(HOST_PROFILE_ROWS)
         print(f"\n{preset_name}: the timed steps' main thread (cProfile, {timer.steps} steps)\n{text.getvalue()}")
+    if sections is not None:
+        print(f"\n{preset_name}: host time per timed step by section (nested: each includes its callees)\n{sections.table(timer.steps)}")
     sites = sync_sites(caught)
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     lengths = timer.input_lengths()
@@ -202,6 +218,7 @@ def run(
         "embedding_rows": module.items.item_table.stats().size, "torch": torch.__version__,
         **({"syncs_per_step": sum(sites.values()) / timer.steps, "sync_sites": dict(sites.most_common()),
             "compiled_in_timed_steps": timer.compiled} if timer.count_syncs else {}),
+        **({"host_sections_ms": sections.per_step(timer.steps)} if sections is not None else {}),
     }
 
 
@@ -224,12 +241,13 @@ def main() -> None:
                    help="the item table allocated whole at this many rows (capacity = max_capacity: it never grows, so no lookup checks whether it must)")
     p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops and launches per step, write Chrome traces to DIR")
     p.add_argument("--host-profile", action="store_true", help="cProfile the timed steps' main thread (the host's Python) and print its top functions")
+    p.add_argument("--host-sections", action="store_true", help="the timed steps' host time by section of the step (host_sections.py)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
     rows = [
         run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets, args.count_syncs,
-            args.workers, args.whole_item_table, args.compile_blocks, args.host_profile, args.layer_norm_kernel)
+            args.workers, args.whole_item_table, args.compile_blocks, args.host_profile, args.layer_norm_kernel, args.host_sections)
         for name in args.preset
     ]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")
