@@ -184,10 +184,10 @@ class TableGroup:
             for n in sizes:
                 bounds.append(bounds[-1] + n)
             if len(sizes) == 1:  # one member: every lane is table 0's
-                return torch.zeros(bounds[-1], dtype=torch.int32, device=self.device), _to_device(bounds, torch.int64, self.device)
-            # repeated on the device from counts copied without waiting (sizes vary per call)
-            tables = torch.arange(len(sizes), dtype=torch.int32, device=self.device)
-            tids = torch.repeat_interleave(tables, _to_device(list(sizes), torch.int64, self.device), output_size=bounds[-1])
+                tids = torch.zeros(bounds[-1], dtype=torch.int32, device=self.device)
+            else:  # repeated on the device from counts copied without waiting (sizes vary per call)
+                tables = torch.arange(len(sizes), dtype=torch.int32, device=self.device)
+                tids = torch.repeat_interleave(tables, _to_device(list(sizes), torch.int64, self.device), output_size=bounds[-1])
             return tids, _to_device(bounds, torch.int64, self.device)
         return self._cached("lanes", sizes, make)
 
