@@ -57,6 +57,16 @@ def rows_gradient(rows: torch.Tensor, sources: torch.Tensor, x_grad: torch.Tenso
     return grad
 
 
+def count_optimizer_step(opt) -> None:
+    """Counts an optimizer step that a step graph made, as a LightningOptimizer's step()
+    counts one (Lightning's global step under manual optimization), without the step:
+    its hooks around the step alone, not the strategy's and the precision plugin's calls
+    and AdamW's pass over the weights, which would find no gradient (host time the GPU
+    waits for at every step)."""
+    opt._on_before_step()
+    opt._on_after_step()
+
+
 STEP_GRAPH_UNDER_DDP = "step graphs under DDP"  # what the log says when they are made
 
 
@@ -182,14 +192,14 @@ class HSTULightningModule(L.LightningModule):
         """The step's backward, dense and sparse updates, and logs. dense_done: a step graph
         did the backward and the dense update already."""
         opt = self.optimizers()
-        if not dense_done:
+        if dense_done:  # no weight has a gradient: AdamW's step and zero_grad would change nothing
+            count_optimizer_step(opt)
+        else:
             self.manual_backward(loss)
             if self.step_graph is not None:  # (under DDP its sync is off: the step graph's averaging, eagerly)
                 self.step_graph.average_gradients()
-        # Lightning counts the step by it; after a step graph no weight has a gradient and
-        # this changes nothing
-        opt.step()
-        opt.zero_grad()  # no gradient outlives its step: a step graph's optimizer step must see none
+            opt.step()
+            opt.zero_grad()  # no gradient outlives its step: a step graph's optimizer step must see none
         self.items.apply_gradients(looked)
 
         self._log_step(loss, len(batch["lengths"]))
@@ -199,17 +209,25 @@ class HSTULightningModule(L.LightningModule):
         """Every log_every_n_steps steps (the steps whose logs Lightning hands its loggers;
         a value logged makes the host wait for the device, which at every step would stall
         the GPU): the loss, samples/s over the steps since the last logged one, and the
-        tables' statistics."""
+        tables' statistics. The loss goes through self.log (the progress bar, Lightning's
+        step metrics); the others are numbers on the host already, handed to the loggers
+        at the step Lightning logs the loss at: self.log would copy each to the device and
+        update a metric object there, host time that the logged steps' GPU waits for
+        (benchmarks/train_throughput.md)."""
         self._samples += batch_size * self.trainer.world_size
         if self.global_step % max(1, self.trainer.log_every_n_steps):
             return
         self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=batch_size)
         now = time.perf_counter()
+        values = {}
         if self._last_logged is not None:
-            self.log("train/samples_per_s", self._samples / (now - self._last_logged), on_step=True, batch_size=batch_size)
+            values["train/samples_per_s"] = self._samples / (now - self._last_logged)
         self._last_logged, self._samples = now, 0
-        for name, value in self.items.metrics("emb/").items():
-            self.log(name, value, on_step=True, rank_zero_only=True, batch_size=batch_size)
+        values |= self.items.metrics("emb/")  # (summed over the ranks: every rank takes part)
+        if self.trainer.is_global_zero:
+            step = self.trainer.fit_loop.epoch_loop._batches_that_stepped  # Lightning's step for this step's logs
+            for logger in self.loggers:
+                logger.log_metrics(values, step=step)
 
     def on_train_start(self) -> None:
         defer_sigterm_broadcast(self.trainer)  # the ranks agree on a SIGTERM without a host wait per step

@@ -25,7 +25,8 @@ where training never got there.
 
 The update in the graph is the optimizer's own step (a capturable AdamW), captured with
 the weights' gradients in the graph's buffers. Outside the graph no weight has a .grad,
-so a step() of the optimizer (Lightning counts steps by it) changes nothing. Capturing
+so a step() of the optimizer would change nothing: the training module only counts the
+step for Lightning (module.count_optimizer_step). Capturing
 a bucket first runs a few steps on a side stream (kernel tuning, the optimizer's lazily
 made state) and then puts the weights and the state back as they were. A graph holds the
 state's tensors and the hyperparameters of the moment it was captured: after a

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import sequence_batch
+from lightning.pytorch.loggers import Logger
 
 from lightning_modules.config import HSTUConfig, preset
 from lightning_modules.data import PackedBatch, SequenceDataModule, jagged_batch, padded, unpacked
@@ -11,7 +12,7 @@ from lightning_modules.datasets import prepare
 from lightning_modules.evaluate import ranking_metrics, target_ranks
 from lightning_modules.hstu import HSTU, KernelLayerNorm
 from lightning_modules.losses import catalog_softmax_loss, sampled_softmax_loss
-from lightning_modules.module import HSTULightningModule
+from lightning_modules.module import HSTULightningModule, count_optimizer_step
 from lightning_modules.sigterm import DeferredSigtermBroadcast
 
 SMALL = HSTUConfig(num_blocks=2, num_heads=2, attention_dim=8, linear_dim=8, embedding_dim=16, max_seq_len=12, num_negatives=5, batch_size=4)
@@ -192,6 +193,73 @@ def test_training_step_on_batches_with_and_without_targets():
     assert any(not torch.equal(w, p) for w, p in zip(weights, module.model.parameters()))
     # the ranks' SIGTERM agreement without a wait per step (sigterm.py) is the loop's
     assert isinstance(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor, DeferredSigtermBroadcast)
+
+
+class RecordingLogger(Logger):
+    """Every log_metrics call: (step, metrics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    name, version = "recording", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_the_loss_and_the_tables_statistics_reach_the_loggers_at_the_same_steps():
+    """_log_step: every log_every_n_steps steps the loss (through Lightning) and samples/s
+    and the tables' statistics (handed to the loggers) at the step Lightning logs the loss
+    at, the statistics those of the table then."""
+    module = HSTULightningModule(SMALL, catalog=torch.arange(100, 130))
+    logger = RecordingLogger()
+    sizes = []
+
+    class TableSize(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            sizes.append(module.items.item_table.stats().size)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=logger, log_every_n_steps=2, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[TableSize()])
+    batches = [jagged_batch([(np.arange(100 + 3 * i, 108 + 3 * i), np.arange(8))]) for i in range(6)]
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    steps = {name: [step for step, m in logger.calls if name in m] for name in ("train/loss", "emb/size", "train/samples_per_s")}
+    assert steps["train/loss"] == steps["emb/size"] == [1, 3, 5]  # the 2nd, 4th and 6th steps
+    assert steps["train/samples_per_s"] == [3, 5]  # (a rate needs a logged step before)
+    logged_sizes = [m["emb/size"] for _, m in logger.calls if "emb/size" in m]
+    assert logged_sizes == [float(sizes[1]), float(sizes[3]), float(sizes[5])] and logged_sizes[0] < logged_sizes[-1]
+
+
+def test_a_step_counted_without_stepping_advances_lightnings_global_step():
+    """What a step graph's step does with the optimizer (count_optimizer_step): Lightning
+    counts the step, and nothing touches the weights."""
+    seen = []
+
+    class Counted(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.weight = torch.nn.Parameter(torch.ones(3))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.5)
+
+        def training_step(self, batch, batch_idx):
+            seen.append(self.global_step)
+            self.weight.grad = torch.ones(3)  # a step() would move the weight
+            count_optimizer_step(self.optimizers())
+            self.weight.grad = None
+
+    module = Counted()
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(torch.zeros(10, 1), batch_size=1))
+    assert seen == [0, 1, 2] and trainer.global_step == 3  # (uncounted, the epoch would run all 10 batches)
+    assert torch.equal(module.weight.detach(), torch.ones(3))
 
 
 def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path):
