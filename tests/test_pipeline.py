@@ -402,7 +402,10 @@ def test_the_registered_model_serves_with_mlflow_models_serve(pipeline_run, tmp_
     from conftest import free_port
 
     results = json.loads((pipeline_run / "metrics.json").read_text())
-    env = dict(os.environ, MLFLOW_TRACKING_URI=results["tracking_uri"])
+    # the server execs `uvicorn` from PATH: this interpreter's, as an activated environment
+    # has it (the pipeline run puts it there too, but in whichever test process ran it)
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=results["tracking_uri"], PATH=path)
     log = tmp_path / "models-serve.log"
 
     def start() -> tuple[subprocess.Popen, int]:
