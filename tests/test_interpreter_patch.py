@@ -55,3 +55,24 @@ def test_helpers_compute_as_before_and_the_language_is_patched_once_per_launch(m
     assert len(scans) == 2 * one_patch  # none per helper call or program
     # after a launch the language is Triton's own again (the launch's patch restored)
     assert tl.core.is_builtin(tl.maximum)
+
+
+def test_the_remembered_numpy_dtypes_are_the_interpreters():
+    """The patched _get_np_dtype answers as Triton's own for scalar, pointer and block types,
+    the second time from memory; kernels over every width still compute."""
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._get_np_dtype, "remembers", False)
+    original = interpreter._get_np_dtype.original
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float16,
+               tl.bfloat16, tl.float32, tl.float64]
+    types = scalars + [tl.pointer_type(tl.float32), tl.pointer_type(tl.int64)]
+    types += [tl.block_type(t, [4, 8]) for t in types]
+    for t in types + types:  # (the second pass from memory)
+        assert interpreter._get_np_dtype(t) == original(t), t
+    # (bfloat16 + 1 is wrong under Triton's interpreter with its own _get_np_dtype too: not run)
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64):
+        x = torch.arange(-20, 20).to(dtype)
+        out = torch.zeros_like(x)
+        _plain_kernel[(4,)](x, out, x.numel(), BLOCK=16)
+        assert torch.equal(out, x + 1), dtype
