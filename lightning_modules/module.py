@@ -62,9 +62,13 @@ def count_optimizer_step(opt) -> None:
     counts one (Lightning's global step under manual optimization), without the step:
     its hooks around the step alone, not the strategy's and the precision plugin's calls
     and AdamW's pass over the weights, which would find no gradient (host time the GPU
-    waits for at every step)."""
-    opt._on_before_step()
-    opt._on_after_step()
+    waits for at every step). A Lightning without those hooks gets the step itself."""
+    before, after = getattr(opt, "_on_before_step", None), getattr(opt, "_on_after_step", None)
+    if before is None or after is None:
+        opt.step()
+        return
+    before()
+    after()
 
 
 STEP_GRAPH_UNDER_DDP = "step graphs under DDP"  # what the log says when they are made

@@ -251,7 +251,9 @@ def test_a_step_counted_without_stepping_advances_lightnings_global_step():
         def training_step(self, batch, batch_idx):
             seen.append(self.global_step)
             self.weight.grad = torch.ones(3)  # a step() would move the weight
-            count_optimizer_step(self.optimizers())
+            opt = self.optimizers()
+            assert hasattr(opt, "_on_before_step") and hasattr(opt, "_on_after_step")  # (else the step itself is taken)
+            count_optimizer_step(opt)
             self.weight.grad = None
 
     module = Counted()
