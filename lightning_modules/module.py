@@ -229,7 +229,9 @@ class HSTULightningModule(L.LightningModule):
         self._last_logged, self._samples = now, 0
         values |= self.items.metrics("emb/")  # (summed over the ranks: every rank takes part)
         if self.trainer.is_global_zero:
-            step = self.trainer.fit_loop.epoch_loop._batches_that_stepped  # Lightning's step for this step's logs
+            # Lightning's step for this step's logs (the steps before this one; its count of
+            # them where this Lightning keeps it)
+            step = getattr(self.trainer.fit_loop.epoch_loop, "_batches_that_stepped", self.global_step - 1)
             for logger in self.loggers:
                 logger.log_metrics(values, step=step)
 
