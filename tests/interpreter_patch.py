@@ -10,8 +10,8 @@ thousands of times per test, so that scan was a third of their tests' time.
 `install()` skips the scan for a helper whose language modules the running kernel has
 patched already; what runs is otherwise Triton's own code. It also gives the interpreter a
 `_get_np_dtype` that looks each element type's NumPy dtype up once: Triton's builds a table
-of every type at each call, about 10 µs, and a test of the embedding kernels makes some
-200,000 calls (2 s of its 50). A Triton without these internals is left as it is.
+of every type at each call, and a test of the embedding kernels makes hundreds of
+thousands of calls. A Triton without these internals is left as it is.
 """
 import inspect
 
