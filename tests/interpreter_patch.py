@@ -12,6 +12,14 @@ patched already; what runs is otherwise Triton's own code. It also gives the int
 `_get_np_dtype` that looks each element type's NumPy dtype up once: Triton's builds a table
 of every type at each call, and a test of the embedding kernels makes hundreds of
 thousands of calls. A Triton without these internals is left as it is.
+
+Every interpreted operation also builds the Triton types of its result: a `block_type`
+(its shape unwrapped and validated, its name formatted) and a `tensor` (its shape as a
+Triton tuple of constexprs, whose type is built in turn). The patch builds each block type's
+and each tensor type's derived attributes once and copies them into later objects of the
+same type: a block type's depend on its element type's name and its shape alone, a tensor's
+on its type alone. What the objects hold is Triton's own values; they are built by Triton's
+code at their first sight.
 """
 import inspect
 
@@ -59,6 +67,8 @@ def install() -> bool:
     patch_lang.skips_patched = True
     interpreter._patch_lang = patch_lang
     _install_np_dtype(interpreter)
+    _install_block_types()
+    _install_tensors()
     return True
 
 
@@ -84,3 +94,59 @@ def _install_np_dtype(interpreter) -> None:
     get_np_dtype.remembers = True
     get_np_dtype.original = original
     interpreter._get_np_dtype = get_np_dtype
+
+
+def _install_block_types() -> None:
+    """`block_type.__init__` that, for an element type and a shape of plain ints (a list or
+    a Triton tuple) it has seen, sets the attributes Triton's set on the first such object,
+    the element type excepted (the caller's). Other shapes go through Triton's."""
+    original = tl.block_type.__init__
+    triton_tuple = getattr(tl.core, "tuple", None)  # (what Triton's types hold their shapes in)
+    if getattr(original, "remembers", False) or triton_tuple is None:
+        return
+    known: dict[tuple, dict] = {}
+
+    def init(self, element_ty, shape):
+        dims = shape.values if type(shape) is triton_tuple else shape
+        if type(dims) is not list or not all(type(s) is int for s in dims):
+            original(self, element_ty, shape)
+            return
+        key = (str(element_ty), tuple(dims))
+        state = known.get(key)
+        if state is None:
+            original(self, element_ty, shape)
+            known[key] = {k: v for k, v in self.__dict__.items() if k != "element_ty"}
+            return
+        self.__dict__.update(state)
+        self.element_ty = element_ty
+
+    init.remembers = True
+    init.original = original
+    tl.block_type.__init__ = init
+
+
+def _install_tensors() -> None:
+    """`tensor.__init__` that sets what Triton's sets from the type (its shape as a tuple
+    of constexprs, its element count, its scalar type) as Triton's first tensor of that type
+    (class and name) got it; the handle and the type are the caller's. Triton does not
+    change a tensor's shape in place, so tensors of one type share it."""
+    original = tl.tensor.__init__
+    if getattr(original, "remembers", False):
+        return
+    known: dict[tuple, dict] = {}
+
+    def init(self, handle, type):
+        key = (type.__class__, getattr(type, "name", None))
+        state = known.get(key) if key[1] is not None else None
+        if state is None:
+            original(self, handle, type)
+            if key[1] is not None:
+                known[key] = {k: v for k, v in self.__dict__.items() if k not in ("handle", "type")}
+            return
+        self.__dict__.update(state)
+        self.handle = handle
+        self.type = type
+
+    init.remembers = True
+    init.original = original
+    tl.tensor.__init__ = init

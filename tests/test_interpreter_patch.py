@@ -76,3 +76,38 @@ def test_the_remembered_numpy_dtypes_are_the_interpreters():
         out = torch.zeros_like(x)
         _plain_kernel[(4,)](x, out, x.numel(), BLOCK=16)
         assert torch.equal(out, x + 1), dtype
+
+
+def _attributes(obj) -> dict:
+    """An object's attributes as comparable values (Triton's tuples and constexprs compare
+    by value only through their own operators)."""
+    return {k: repr(v) for k, v in vars(obj).items()}
+
+
+def test_remembered_block_types_and_tensors_hold_what_tritons_constructors_give():
+    """The patched constructors of block types and tensors set the attributes Triton's set,
+    at the first sight of a type and from memory after it, for shapes as lists and as
+    Triton tuples; a shape Triton refuses is refused still."""
+    block_init, tensor_init = tl.block_type.__init__, tl.tensor.__init__
+    assert getattr(block_init, "remembers", False) and getattr(tensor_init, "remembers", False)
+    elements = [tl.int1, tl.int32, tl.int64, tl.float16, tl.bfloat16, tl.float32, tl.pointer_type(tl.float32),
+                tl.pointer_type(tl.int64)]
+    shapes = [[4], [4, 8], [8, 4], [1, 16], [2, 4, 8]]
+    for element in elements:
+        for shape in shapes:
+            theirs = tl.block_type.__new__(tl.block_type)
+            block_init.original(theirs, element, shape)
+            for given in (list(shape), tl.core.tuple(list(shape)), list(shape)):  # (the last from memory)
+                ours = tl.block_type(element, given)
+                assert _attributes(ours) == _attributes(theirs) and ours == theirs
+                assert ours.element_ty is element
+                for t in (ours, element):  # a block's tensor and a scalar's
+                    mine, triton_s = tl.tensor.__new__(tl.tensor), tl.tensor.__new__(tl.tensor)
+                    tensor_init.original(triton_s, "handle", t)
+                    tl.tensor("handle", t)  # (seen once)
+                    tensor_init(mine, "handle", t)
+                    assert _attributes(mine) == _attributes(triton_s) and mine.type is t
+    with pytest.raises(AssertionError):  # a Python tuple: Triton's own assertion
+        tl.block_type(tl.int32, (4, 8))
+    with pytest.raises(TypeError, match="0d block_type"):
+        tl.block_type(tl.int32, [])
