@@ -182,7 +182,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_modules.config import preset
-    from lightning_modules.data import SequenceDataModule
+    from lightning_modules.data_module import SequenceDataModule
     from lightning_modules.flops import sequence_cost, step_flops, step_negatives
     from lightning_modules.module import HSTULightningModule
     from lightning_modules.train import precision_for

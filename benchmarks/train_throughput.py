@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.host_sections import HostSections  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
 from lightning_modules.config import PRESETS, preset  # noqa: E402
-from lightning_modules.data import SequenceDataModule  # noqa: E402
+from lightning_modules.data_module import SequenceDataModule  # noqa: E402
 from lightning_modules.datasets import prepare  # noqa: E402
 from lightning_modules.flops import step_flops, step_negatives  # noqa: E402
 from lightning_modules.module import HSTULightningModule  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 from . import model_files
 from .callbacks import EpochCheckpoint, Validation, latest_checkpoint
 from .config import PRESETS, preset
-from .data import SequenceDataModule
+from .data_module import SequenceDataModule
 from .flops import sequence_cost
 from .item_features import ITEMS_FILE, ItemFeatures
 from .module import HSTULightningModule, SASRecLightningModule

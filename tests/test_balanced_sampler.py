@@ -10,7 +10,8 @@ import torch
 
 from lightning_modules.balanced_sampler import BalancedDistributedSampler, balanced_shares
 from lightning_modules.config import preset
-from lightning_modules.data import SequenceDataModule, unpacked
+from lightning_modules.data import unpacked
+from lightning_modules.data_module import SequenceDataModule
 from lightning_modules.datasets import prepare
 from lightning_modules.flops import sequence_cost, sequence_flops
 

@@ -15,7 +15,7 @@ from conftest import sequence_batch
 
 from lightning_modules.config import HSTUConfig
 from lightning_modules.cuda_graphs import GraphedHSTU, pad_jagged
-from lightning_modules.data import SequenceDataModule
+from lightning_modules.data_module import SequenceDataModule
 from lightning_modules.datasets import prepare
 from lightning_modules.hstu import HSTU
 from lightning_modules.losses import catalog_softmax_loss, padded_catalog_softmax_loss

@@ -7,7 +7,8 @@ from conftest import sequence_batch
 from lightning.pytorch.loggers import Logger
 
 from lightning_modules.config import HSTUConfig, preset
-from lightning_modules.data import PackedBatch, SequenceDataModule, jagged_batch, padded, unpacked
+from lightning_modules.data import PackedBatch, jagged_batch, padded, unpacked
+from lightning_modules.data_module import SequenceDataModule
 from lightning_modules.datasets import prepare
 from lightning_modules.evaluate import ranking_metrics, target_ranks
 from lightning_modules.hstu import HSTU, KernelLayerNorm

@@ -1,6 +1,8 @@
 """The pipeline end to end on the local runner, MLflow contents, export, and the cluster path:
 compiled IR, PyTorchJob rendering and validation, and the local PyTorchJob launcher."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
@@ -18,6 +20,16 @@ from pipelines.cli import main as hstu
 from pipelines.launcher import replica_envs
 
 TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
+
+
+def test_the_steps_start_without_lightning():
+    """Only training's workers need Lightning: a step's process (a pod on a cluster) that
+    prepares, evaluates, dumps or exports, and the one that launches the workers, import
+    the steps without it."""
+    loaded = "import sys, components.steps; print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))"
+    out = subprocess.run([sys.executable, "-c", loaded], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 def test_run_writes_metrics_for_the_model_and_both_baselines(pipeline_run):
