@@ -200,8 +200,8 @@ def count_swap(
 def _all_lanes(count_ptr, n, BLOCK: tl.constexpr, COUNTED: tl.constexpr):
     """(lanes, inside, written) of this program: `inside` marks the lanes the kernel reads
     and flags (before count[0] where COUNTED, else before n); `written` marks every lane
-    of the outputs (before n). The outputs are not initialized, so a lane past the count
-    is written with the values of a lane that moves nothing."""
+    of the outputs (before n). The callers allocate the outputs without filling them and
+    read all n lanes, so a lane past the count gets the values of a lane that moves nothing."""
     lanes, inside = _live_lanes(count_ptr, n, BLOCK, COUNTED)
     return lanes, inside, lanes < n
 
