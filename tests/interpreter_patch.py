@@ -97,56 +97,57 @@ def _install_np_dtype(interpreter) -> None:
 
 
 def _install_block_types() -> None:
-    """`block_type.__init__` that, for an element type and a shape of plain ints (a list or
-    a Triton tuple) it has seen, sets the attributes Triton's set on the first such object,
-    the element type excepted (the caller's). Other shapes go through Triton's."""
-    original = tl.block_type.__init__
+    """`block_type(element_ty, shape)`: for a shape of plain ints (a list or a Triton tuple),
+    what Triton's constructor sets is a function of the element type's name and the shape;
+    the element type itself is the caller's."""
     triton_tuple = getattr(tl.core, "tuple", None)  # (what Triton's types hold their shapes in)
-    if getattr(original, "remembers", False) or triton_tuple is None:
+    if triton_tuple is None:
         return
-    known: dict[tuple, dict] = {}
 
-    def init(self, element_ty, shape):
+    def key(element_ty, shape):
         dims = shape.values if type(shape) is triton_tuple else shape
         if type(dims) is not list or not all(type(s) is int for s in dims):
-            original(self, element_ty, shape)
-            return
-        key = (str(element_ty), tuple(dims))
-        state = known.get(key)
-        if state is None:
-            original(self, element_ty, shape)
-            known[key] = {k: v for k, v in self.__dict__.items() if k != "element_ty"}
-            return
-        self.__dict__.update(state)
-        self.element_ty = element_ty
+            return None
+        return str(element_ty), tuple(dims)
 
-    init.remembers = True
-    init.original = original
-    tl.block_type.__init__ = init
+    _remember_construction(tl.block_type, key, ("element_ty",))
 
 
 def _install_tensors() -> None:
-    """`tensor.__init__` that sets what Triton's sets from the type (its shape as a tuple
-    of constexprs, its element count, its scalar type) as Triton's first tensor of that type
-    (class and name) got it; the handle and the type are the caller's. Triton does not
-    change a tensor's shape in place, so tensors of one type share it."""
-    original = tl.tensor.__init__
+    """`tensor(handle, type)`: what Triton's constructor sets from the type (its shape as a
+    tuple of constexprs, its element count, its scalar type) is a function of the type's
+    class and name; the handle and the type are the caller's. Triton does not change a
+    tensor's shape in place, so tensors of one type share it."""
+
+    def key(handle, type):
+        name = getattr(type, "name", None)
+        return None if name is None else (type.__class__, name)
+
+    _remember_construction(tl.tensor, key, ("handle", "type"))
+
+
+def _remember_construction(cls, key, given: tuple[str, ...]) -> None:
+    """cls.__init__ replaced by one that, for arguments whose `key` it has seen, copies the
+    attributes Triton's constructor set on the first object of that key, then sets the
+    attributes named `given` from the leading arguments (the caller's objects). Arguments
+    whose key is None, and keyword calls, go through Triton's constructor."""
+    original = cls.__init__
     if getattr(original, "remembers", False):
         return
     known: dict[tuple, dict] = {}
 
-    def init(self, handle, type):
-        key = (type.__class__, getattr(type, "name", None))
-        state = known.get(key) if key[1] is not None else None
+    def init(self, *args, **kwargs):
+        k = None if kwargs else key(*args)
+        state = None if k is None else known.get(k)
         if state is None:
-            original(self, handle, type)
-            if key[1] is not None:
-                known[key] = {k: v for k, v in self.__dict__.items() if k not in ("handle", "type")}
+            original(self, *args, **kwargs)
+            if k is not None:
+                known[k] = {name: v for name, v in self.__dict__.items() if name not in given}
             return
         self.__dict__.update(state)
-        self.handle = handle
-        self.type = type
+        for name, value in zip(given, args):
+            setattr(self, name, value)
 
     init.remembers = True
     init.original = original
-    tl.tensor.__init__ = init
+    cls.__init__ = init
