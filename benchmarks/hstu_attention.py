@@ -17,6 +17,7 @@ causal half of QKᵀ and AV: forward H · Σ n² · (dqk + dv), forward + backwa
 GPU's time alone, as the training step's graphs see it (the other columns include the
 host's time where the GPU waits for it, as at B128 N200).
 Times: the median of triton.testing.do_bench (CUDA events); the twin where it fits in memory.
+The JSON's meta also lists the configuration the autotuner chose for each kernel launch.
 """
 import argparse
 import importlib
@@ -61,6 +62,17 @@ def other_attention(root: Path):
     sys.modules[name] = package
     spec.loader.exec_module(package)
     return importlib.import_module(f"{name}.hstu_attention").hstu_attention
+
+
+def tuned_choices(package: str) -> dict:
+    """The configuration the autotuner chose for each launch of a kernels package's
+    attention kernels ("kernels", or other_attention's), by the launch's tuning key and
+    constants: what a row's figures were timed with."""
+    kernels = importlib.import_module(f"{package}.hstu_attention.triton_kernels")
+    return {
+        name: {f"{key[0]} {dict(key[2])}": str(config) for key, config in getattr(kernels, name).chosen.items()}
+        for name in ("_forward", "_backward_kv", "_backward_q")
+    }
 
 
 def bench(fn) -> float | None:
@@ -154,7 +166,8 @@ def main() -> None:
             f"{fmt(r['forward_backward_ms'], '8.3f')} {fmt(r['forward_backward_TFLOPs'], '8.1f')} {fmt(r['forward_backward_fixed_bias_ms'], '9.3f')} "
             f"{fmt(r['forward_backward_graph_ms'], '9.3f')} {fmt(r['forward_backward_graph_TFLOPs'], '8.1f')}"
         )
-    write_results("hstu_attention", rows, args.out)
+    packages = {"triton": "kernels"} | ({impls[1][1]: "kernels_against"} if args.against else {})
+    write_results("hstu_attention", rows, args.out, configs={label: tuned_choices(p) for label, p in packages.items()})
 
 
 if __name__ == "__main__":
