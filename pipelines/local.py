@@ -3,6 +3,7 @@ MLflow on a SQLite file in the work directory (unless a tracking URI is given)."
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import kfp.local
@@ -40,12 +41,17 @@ def run_local(
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(work / "kfp"))
     try:
-        build()(
-            work_dir=str(work), dataset=dataset, data_dir=str(Path(data_dir).resolve()) if data_dir else "",
-            input_file=str(Path(input_file).resolve()) if input_file else "", seed=seed,
-            synthetic_users=synthetic_users, workers=workers, preset=preset, epochs=epochs, patience=patience,
-            baselines=baselines, extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id,
-        )
+        with warnings.catch_warnings():
+            # the runner warns at every step that the components name the project's image, not
+            # a Python one; running them in this interpreter, which holds the project as the
+            # image does, is what a local run is
+            warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom or non-Python base image")
+            build()(
+                work_dir=str(work), dataset=dataset, data_dir=str(Path(data_dir).resolve()) if data_dir else "",
+                input_file=str(Path(input_file).resolve()) if input_file else "", seed=seed,
+                synthetic_users=synthetic_users, workers=workers, preset=preset, epochs=epochs, patience=patience,
+                baselines=baselines, extra_args=extra_args, tracking_uri=tracking_uri, run_id=run_id,
+            )
     except BaseException:
         tracking.finish_run(tracking_uri, run_id, "FAILED")  # where the runner stopped before the pipeline's exit task
         raise

@@ -76,10 +76,15 @@ def pipeline_run(tmp_path_factory, worker_id):
     work = root / "pipeline-run"
     with FileLock(str(root / "pipeline-run.lock")):
         if not (work / "metrics.json").exists():
+            import warnings
+
             from pipelines.cli import main as hstu
 
-            hstu(["run", "--dataset", "synthetic", "--synthetic-users", "48", "--work-dir", str(work),
-                  "--workers", "1", "--epochs", "2", "--train-args", "--max-seq-len 16 --batch-size 8 --num-negatives 16"])
+            with warnings.catch_warnings(record=True) as caught:  # (what the run warned of: warnings.txt)
+                warnings.simplefilter("always")
+                hstu(["run", "--dataset", "synthetic", "--synthetic-users", "48", "--work-dir", str(work),
+                      "--workers", "1", "--epochs", "2", "--train-args", "--max-seq-len 16 --batch-size 8 --num-negatives 16"])
+            (work / "warnings.txt").write_text("".join(f"{w.category.__name__}: {w.message}\n" for w in caught))
     return work
 
 

@@ -43,6 +43,8 @@ def test_run_writes_metrics_for_the_model_and_both_baselines(pipeline_run):
     # artifacts stay in the work directory, not in ./mlruns of the current directory
     assert any((pipeline_run / "mlartifacts").rglob("training_curve.png"))
     assert not (Path.cwd() / "mlruns").exists()
+    # the local runner's warning that the steps name a container image is not repeated at every step
+    assert "non-Python base image" not in (pipeline_run / "warnings.txt").read_text()
 
 
 def test_mlflow_run_has_params_curves_metrics_artifacts_and_a_registered_model(pipeline_run):
