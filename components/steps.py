@@ -107,7 +107,8 @@ def train_step(
         tracking.log_params(tracking_uri, run_id, {
             "preset": preset, "epochs": epochs, "patience": patience, "seed": seed, "workers": workers, "train_extra_args": extra_args,
         })
-    if launcher == "local":
+    if launcher == "local":  # (a cluster's pods see the data where this process may not)
+        datasets.check_prepared(data_dir)
         env = dict(
             os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers))),
             GLIBC_TUNABLES=os.environ.get("GLIBC_TUNABLES", CPU_MALLOC_TUNING),

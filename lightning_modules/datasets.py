@@ -62,6 +62,21 @@ class DataError(ValueError):
     """Input that cannot be read; the message names the file, the line and the field."""
 
 
+SPLITS = ("train", "valid", "test")  # the prepared Parquet files, <split>.parquet
+
+
+def check_prepared(data_dir: str | Path) -> Path:
+    """data_dir as a Path, where `prepare` wrote every split there; else a DataError that
+    names what is missing (before a training launch, not a reader's traceback in each
+    worker)."""
+    path = Path(data_dir)
+    missing = [f"{s}.parquet" for s in SPLITS if not (path / f"{s}.parquet").is_file()]
+    if missing:
+        what = "no such directory" if not path.is_dir() else f"no {', '.join(missing)}"
+        raise DataError(f"{path}: not prepared data ({what}; `hstu prepare --out {path}` writes it)")
+    return path
+
+
 # ---- fetching -----------------------------------------------------------------------------
 def default_cache_dir() -> Path:
     """Where fetched archives are kept: $HSTU_CACHE_DIR, else ~/.cache/hstu."""

@@ -21,6 +21,7 @@ from . import model_files
 from .callbacks import EpochCheckpoint, Validation, latest_checkpoint
 from .config import PRESETS, preset
 from .data_module import SequenceDataModule
+from .datasets import DataError, check_prepared
 from .flops import sequence_cost
 from .item_features import ITEMS_FILE, ItemFeatures
 from .module import HSTULightningModule, SASRecLightningModule
@@ -98,6 +99,10 @@ def model_config(args, catalog_size: int):
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
+    try:
+        check_prepared(args.data_dir)
+    except DataError as e:  # the message, not a reader's traceback, in every worker's log
+        raise SystemExit(f"hstu-train: error: {e}") from None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     out = Path(args.out_dir)

@@ -28,3 +28,24 @@ def test_debug_shows_the_exception(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DumpError):
         hstu(["--debug", "dump", "--train-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "m")])
+
+
+def test_training_without_prepared_data_stops_before_any_worker_starts(tmp_path, capsys):
+    """`hstu train` names the missing splits instead of a worker's traceback; the worker
+    itself (what a PyTorchJob's pods run) says the same and exits."""
+    import subprocess
+    import sys
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.parquet").write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        hstu(["train", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "data: not prepared data (no valid.parquet, test.parquet;" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()  # no worker ran
+    worker = subprocess.run(
+        [sys.executable, "-m", "lightning_modules.train", "--data-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path / "o")],
+        capture_output=True, text=True,
+    )
+    assert worker.returncode == 1 and "hstu-train: error: " in worker.stderr and "none: not prepared data (no such directory" in worker.stderr
+    assert "Traceback" not in worker.stderr
