@@ -348,4 +348,7 @@ def create_app(export: str | Path, config: ServingConfig = ServingConfig(), devi
 def serve(export: str, host: str = "0.0.0.0", port: int = 8080, **kwargs) -> None:
     import uvicorn
 
+    from lightning_modules.export import read_export_info
+
+    read_export_info(Path(export))  # a path that holds no export: the command's error, before the server starts
     uvicorn.run(create_app(export, **kwargs), host=host, port=port, log_level="info")

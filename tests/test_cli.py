@@ -21,6 +21,14 @@ def test_bad_input_ends_in_a_message_not_a_traceback(tmp_path, capsys):
     assert e.value.code == 1 and "not a complete model directory" in capsys.readouterr().err
 
 
+def test_serving_a_path_without_an_export_is_the_commands_error(tmp_path, capsys):
+    """Before any server starts: not a traceback from the server's startup."""
+    with pytest.raises(SystemExit) as e:
+        hstu(["serve", "--export", str(tmp_path / "none"), "--port", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err == f"hstu: error: {tmp_path / 'none'}: not an exported model (no export.json)\n"
+
+
 def test_debug_shows_the_exception(tmp_path):
     (tmp_path / "v.csv").write_text("user_id,item_id,timestamp\n1,2,x\n")
     with pytest.raises(DataError, match="v.csv:2"):
