@@ -18,6 +18,7 @@ import lightning as L
 import torch
 
 from . import model_files
+from .arguments import NON_NEGATIVE, POSITIVE, at_least
 from .callbacks import EpochCheckpoint, Validation, latest_checkpoint
 from .config import PRESETS, preset
 from .data_module import SequenceDataModule
@@ -46,19 +47,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--model", default="hstu", choices=MODELS, help="HSTU, or the SASRec baseline")
     p.add_argument("--preset", default="hstu", choices=sorted(PRESETS))
-    p.add_argument("--epochs", type=int, default=1, help="the most epochs to train")
-    p.add_argument("--patience", type=int, default=None,
+    p.add_argument("--epochs", type=POSITIVE, default=1, help="the most epochs to train")
+    p.add_argument("--patience", type=NON_NEGATIVE, default=None,
                    help="stop once validation has not improved for this many validations (default: never)")
-    p.add_argument("--val-every", type=int, default=1, help="epochs between validations")
-    p.add_argument("--val-users", type=int, default=10_000, help="validate on a fixed sample of this many users at most")
-    p.add_argument("--max-steps", type=int, default=-1, help="stop early (benchmarks, smoke tests)")
-    p.add_argument("--batch-size", type=int, help="sequences per step, over all processes")
-    p.add_argument("--max-seq-len", type=int)
-    p.add_argument("--num-negatives", type=int)
+    p.add_argument("--val-every", type=POSITIVE, default=1, help="epochs between validations")
+    p.add_argument("--val-users", type=POSITIVE, default=10_000, help="validate on a fixed sample of this many users at most")
+    p.add_argument("--max-steps", type=at_least(-1), default=-1, help="stop early (benchmarks, smoke tests)")
+    p.add_argument("--batch-size", type=POSITIVE, help="sequences per step, over all processes")
+    p.add_argument("--max-seq-len", type=POSITIVE)
+    p.add_argument("--num-negatives", type=POSITIVE)
     p.add_argument("--lr", type=float)
     p.add_argument("--dropout", type=float)
     p.add_argument("--seed", type=int)
-    p.add_argument("--cuda-graph-buckets", type=int,
+    p.add_argument("--cuda-graph-buckets", type=NON_NEGATIVE,
                    help="on GPUs, CUDA graphs of the model's training step, one per bucket of padded rows (0: none; default: the preset's)")
     p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="each block's work around the attention through torch.compile (default: the preset's setting)")
@@ -71,13 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
     p.add_argument("--precision", default="auto",
                    help="Lightning precision: auto is bf16-mixed (bf16 autocast) on GPUs and 32-true on CPUs")
-    p.add_argument("--loader-workers", type=int,
+    p.add_argument("--loader-workers", type=NON_NEGATIVE,
                    help="data loader worker processes per training process (default: 4 on GPUs, 0 on CPUs)")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+    p.add_argument("--checkpoint-every", type=POSITIVE, default=None, metavar="STEPS",
                    help="also checkpoint every this many steps within an epoch (the newest one kept)")
     p.add_argument("--checkpoint-minutes", type=float, default=None,
                    help="also checkpoint once this many minutes have passed since the last checkpoint")
-    p.add_argument("--log-every", type=int, default=None,
+    p.add_argument("--log-every", type=POSITIVE, default=None,
                    help="steps between metric logs (default: 1 on CPUs; 50 on GPUs, where each log reads values back from the GPU)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI; no MLflow without it")
     p.add_argument("--run-id", help="MLflow run to log into")

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from kernels.dynamic_embedding import DumpError
+from lightning_modules.arguments import NON_NEGATIVE, POSITIVE, at_least
 from lightning_modules.config import PRESETS
 from components.steps import BASELINES
 from lightning_modules.datasets import DATASETS, DataError
@@ -20,7 +21,7 @@ def _add_data_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default="", help="folder holding a MovieLens zip or its extracted files (else: download)")
     p.add_argument("--input", default="", help="with --dataset csv: a CSV or Parquet of user_id,item_id,timestamp[,rating]")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--synthetic-users", type=int, default=6040)
+    p.add_argument("--synthetic-users", type=POSITIVE, default=6040)
 
 
 # the training recipe's defaults: validate after every epoch, keep the best, stop once
@@ -29,9 +30,9 @@ EPOCHS, PATIENCE = 200, 20
 
 
 def _add_training(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=1, help="training processes (torchrun)")
-    p.add_argument("--epochs", type=int, default=EPOCHS, help="the most epochs to train")
-    p.add_argument("--patience", type=int, default=PATIENCE,
+    p.add_argument("--workers", type=POSITIVE, default=1, help="training processes (torchrun)")
+    p.add_argument("--epochs", type=POSITIVE, default=EPOCHS, help="the most epochs to train")
+    p.add_argument("--patience", type=at_least(-1), default=PATIENCE,
                    help="stop once validation has not improved for this many epochs (-1: train every epoch)")
     p.add_argument("--preset", default="hstu", choices=sorted(PRESETS))
     p.add_argument("--train-args", default="", help="extra flags for the training worker, e.g. '--batch-size 64'")
@@ -41,15 +42,15 @@ def _add_job(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="hstu-train")
     p.add_argument("--namespace", default="default")
     p.add_argument("--image", default=None, help="the project's image")
-    p.add_argument("--nodes", type=int, default=2, help="pods: one Master plus nodes - 1 Workers")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs per pod")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="training processes per pod (default: one per GPU, or 1)")
+    p.add_argument("--nodes", type=POSITIVE, default=2, help="pods: one Master plus nodes - 1 Workers")
+    p.add_argument("--gpus", type=NON_NEGATIVE, default=0, help="GPUs per pod")
+    p.add_argument("--nproc-per-node", type=POSITIVE, default=None, help="training processes per pod (default: one per GPU, or 1)")
     p.add_argument("--cpu", default=None, help="CPU per pod (default: 8 per GPU, or 2)")
     p.add_argument("--memory", default=None, help="memory per pod (default: 64Gi per GPU, or 8Gi)")
     p.add_argument("--shm-size", default="4Gi", help="memory-backed /dev/shm per pod (NCCL, data loader workers)")
     p.add_argument("--elastic", default=None, metavar="MIN:MAX",
                    help="an elastic job of --nodes Worker pods that may run with MIN to MAX of them (c10d rendezvous)")
-    p.add_argument("--max-restarts", type=int, default=3, help="with --elastic: restarts of the workers' group")
+    p.add_argument("--max-restarts", type=NON_NEGATIVE, default=3, help="with --elastic: restarts of the workers' group")
     p.add_argument("--pvc", default=None, help="shared volume claim mounted at --mount-path (else an emptyDir)")
     p.add_argument("--mount-path", default="/workspace")
 
@@ -111,19 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recommend", help="top-k items after a history, from an export")
     p.add_argument("--export", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
-    p.add_argument("-k", type=int, default=10)
+    p.add_argument("-k", type=POSITIVE, default=10)
 
     p = sub.add_parser("serve", help="an export online over HTTP: recommend, score, health, metrics, updates, snapshots")
     p.add_argument("--export", required=True, help="the export directory to serve first")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=NON_NEGATIVE, default=8080)
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
-    p.add_argument("--device-rows", type=int, default=SERVING.device_rows, help="item rows cached on the device")
-    p.add_argument("--host-rows", type=int, default=SERVING.host_rows, help="item rows cached in host memory (0: none)")
+    p.add_argument("--device-rows", type=POSITIVE, default=SERVING.device_rows, help="item rows cached on the device")
+    p.add_argument("--host-rows", type=NON_NEGATIVE, default=SERVING.host_rows, help="item rows cached in host memory (0: none)")
     p.add_argument("--missing", default=SERVING.missing, choices=["initial", "zeros"],
                    help="the row of an id no tier holds: its training-time initial row, or zeros")
     p.add_argument("--work-dir", default="serve-work", help="where each version's disk store is built")
-    p.add_argument("--max-batch", type=int, default=64, help="requests per device batch at most")
+    p.add_argument("--max-batch", type=POSITIVE, default=64, help="requests per device batch at most")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for others to batch with")
 
     p = sub.add_parser("compile", help="the pipeline as Kubeflow IR YAML")
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pvc", default=None, help="volume claim mounted in every step")
     p.add_argument("--mount-path", default="/workspace")
     p.add_argument("--wait", action="store_true", help="wait for the run to end; exit 1 unless it succeeded")
-    p.add_argument("--timeout", type=int, default=7 * 24 * 3600, help="with --wait: seconds")
+    p.add_argument("--timeout", type=POSITIVE, default=7 * 24 * 3600, help="with --wait: seconds")
 
     p = sub.add_parser("launch", help="run a PyTorchJob's replicas, or a TrainJob's nodes, as local processes")
     p.add_argument("manifest")

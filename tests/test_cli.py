@@ -57,3 +57,25 @@ def test_training_without_prepared_data_stops_before_any_worker_starts(tmp_path,
     )
     assert worker.returncode == 1 and "hstu-train: error: " in worker.stderr and "none: not prepared data (no such directory" in worker.stderr
     assert "Traceback" not in worker.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--workers", "0"], "argument --workers: 0 is below 1"),
+    (["run", "--epochs", "0"], "argument --epochs: 0 is below 1"),
+    (["train", "--data-dir", "d", "--out", "o", "--patience", "-2"], "argument --patience: -2 is below -1"),
+    (["manifest", "--data-dir", "d", "--out-dir", "o", "--gpus", "two"], "argument --gpus: 'two' is not a whole number"),
+    (["serve", "--export", "e", "--max-batch", "0"], "argument --max-batch: 0 is below 1"),
+])
+def test_counts_out_of_range_are_refused_when_parsed(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        hstu(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_training_workers_counts_are_checked_too():
+    from lightning_modules.train import parse_args
+
+    assert parse_args(["--data-dir", "d", "--out-dir", "o", "--loader-workers", "0", "--max-steps", "-1"]).loader_workers == 0
+    for flag, value in (("--batch-size", "0"), ("--epochs", "-1"), ("--patience", "-1"), ("--log-every", "0")):
+        with pytest.raises(SystemExit):
+            parse_args(["--data-dir", "d", "--out-dir", "o", flag, value])
