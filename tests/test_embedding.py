@@ -337,3 +337,28 @@ def test_assign_refuses_what_it_cannot_write():
     custom.assign(torch.tensor([1]), torch.ones(1, 4), scores=torch.tensor([7]))
     assert custom.table.scores[custom.table.find(torch.tensor([1]))].item() == 7
     assert e.stats().size == 0  # nothing was written by the refused calls
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(dim=0), "dim must be at least 1, got 0"),
+    (dict(capacity=64, max_capacity=32), "capacity 64 is above max_capacity 32"),
+    (dict(capacity=64, max_capacity=256, device_capacity=1024), "device_capacity must lie in \\[1, max_capacity 256\\], got 1024"),
+    (dict(admission_threshold=0), "admission_threshold must be at least 1"),
+    (dict(max_load_factor=1.5), "max_load_factor must lie in \\(0, 1\\], got 1.5"),
+    (dict(bucket_size=0), "bucket_size must be at least 1"),
+    (dict(init_std=-0.1), "init_std must not be negative"),
+])
+def test_a_config_out_of_range_is_refused_naming_its_field(fields, message):
+    with pytest.raises(ValueError, match=f"EmbeddingConfig.{message}"):
+        EmbeddingConfig(**{"dim": 8, **fields})
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(lr=-0.1), "lr and weight_decay must not be negative"),
+    (dict(eps=0.0), "eps must be positive"),
+    (dict(beta2=1.0), "beta1 and beta2 must lie in \\[0, 1\\), got 0.9, 1.0"),
+    (dict(max_grad_norm=0.0), "max_grad_norm must be positive"),
+])
+def test_an_optimizer_config_out_of_range_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**fields)

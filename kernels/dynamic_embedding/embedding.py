@@ -106,6 +106,17 @@ class EmbeddingConfig:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {EVICTION_POLICIES}")
         if self.promote_on_miss and self.device_capacity is None:
             raise ValueError("promote_on_miss applies to tiered tables: set device_capacity")
+        for name in ("dim", "capacity", "max_capacity", "bucket_size", "admission_threshold", "admission_capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EmbeddingConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.capacity > self.max_capacity:
+            raise ValueError(f"EmbeddingConfig.capacity {self.capacity} is above max_capacity {self.max_capacity}")
+        if self.device_capacity is not None and not 1 <= self.device_capacity <= self.max_capacity:
+            raise ValueError(f"EmbeddingConfig.device_capacity must lie in [1, max_capacity {self.max_capacity}], got {self.device_capacity}")
+        if not 0.0 < self.max_load_factor <= 1.0:
+            raise ValueError(f"EmbeddingConfig.max_load_factor must lie in (0, 1], got {self.max_load_factor}")
+        if self.init_std < 0:
+            raise ValueError(f"EmbeddingConfig.init_std must not be negative, got {self.init_std}")
 
     @property
     def row_dim(self) -> int:

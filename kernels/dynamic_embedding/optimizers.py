@@ -22,6 +22,12 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.name not in _STATE_DIM:
             raise ValueError(f"unknown embedding optimizer {self.name!r}; choose from {sorted(_STATE_DIM)}")
+        if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig: lr and weight_decay must not be negative and eps must be positive, got {self}")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise ValueError(f"OptimizerConfig: beta1 and beta2 must lie in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"OptimizerConfig.max_grad_norm must be positive (or None), got {self.max_grad_norm}")
 
     def state_dim(self, dim: int) -> int:
         return _STATE_DIM[self.name](dim)
