@@ -65,7 +65,7 @@ class HSTUConfig:
                 name=self.embedding_optimizer, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1]
             ),
             seed=self.seed,
-            capacity=self.embedding_capacity,
+            capacity=min(self.embedding_capacity, self.embedding_max_capacity),  # (a small table starts whole)
             max_capacity=self.embedding_max_capacity,
         )
 

@@ -27,6 +27,12 @@ def test_presets_are_the_papers_ml1m_settings():
         assert (c.max_seq_len, c.dropout, c.lr, c.betas, c.batch_size, c.temperature) == (200, 0.2, 4e-3, (0.9, 0.98), 128, 0.1)
 
 
+def test_an_item_table_smaller_than_the_initial_allocation_starts_whole():
+    table = preset("hstu").override(embedding_max_capacity=1000).embedding_config()
+    assert (table.capacity, table.max_capacity) == (1000, 1000)
+    assert preset("hstu").embedding_config().capacity == preset("hstu").embedding_capacity
+
+
 def test_output_is_causal_normalized_and_sequences_are_independent():
     model = HSTU(SMALL).eval()
     emb, ts, offsets = sequence_batch([10, 6, 0, 12])
