@@ -1,7 +1,7 @@
 """argparse types shared by `hstu` (pipelines/cli.py) and the training worker's command
-line (train.py): a count below its least sensible value is refused when the flags are
-parsed, with argparse's usage message, not deep in a run (a division by zero workers, a
-pipeline that trains no epoch)."""
+line (train.py): a count below its least sensible value, or an item id that is not one, is
+refused when the flags are parsed, with argparse's usage message, not deep in a run (a
+division by zero workers, a pipeline that trains no epoch)."""
 import argparse
 
 
@@ -22,3 +22,19 @@ def at_least(minimum: int):
 
 
 POSITIVE, NON_NEGATIVE = at_least(1), at_least(0)
+
+
+def item_ids(text: str) -> list[int]:
+    """An argparse type: comma-separated item ids (int64 values, as the data holds them)."""
+    ids = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            ids.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not an item id (a whole number)") from None
+        if not -(2**63) <= ids[-1] < 2**63:
+            raise argparse.ArgumentTypeError(f"{part} is outside int64, which item ids are")
+    return ids
+
+
+item_ids.__name__ = "item ids"

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from kernels.dynamic_embedding import DumpError
-from lightning_modules.arguments import NON_NEGATIVE, POSITIVE, at_least
+from lightning_modules.arguments import NON_NEGATIVE, POSITIVE, at_least, item_ids
 from lightning_modules.config import PRESETS
 from components.steps import BASELINES
 from lightning_modules.datasets import DATASETS, DataError
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("recommend", help="top-k items after a history, from an export")
     p.add_argument("--export", required=True)
-    p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
+    p.add_argument("--history", required=True, type=item_ids, help="comma-separated item ids, oldest first")
     p.add_argument("-k", type=POSITIVE, default=10)
 
     p = sub.add_parser("serve", help="an export online over HTTP: recommend, score, health, metrics, updates, snapshots")
@@ -224,8 +224,7 @@ def _run(args) -> int:
     elif args.command == "recommend":
         from lightning_modules.export import Recommender
 
-        history = [int(x) for x in args.history.split(",") if x.strip()]
-        for item, score in Recommender.load(args.export).recommend(history, k=args.k):
+        for item, score in Recommender.load(args.export).recommend(args.history, k=args.k):
             print(f"{item}\t{score:.4f}")
     elif args.command == "compile":
         from .pipeline import DEFAULT_IMAGE, compile_pipeline

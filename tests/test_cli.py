@@ -65,11 +65,19 @@ def test_training_without_prepared_data_stops_before_any_worker_starts(tmp_path,
     (["train", "--data-dir", "d", "--out", "o", "--patience", "-2"], "argument --patience: -2 is below -1"),
     (["manifest", "--data-dir", "d", "--out-dir", "o", "--gpus", "two"], "argument --gpus: 'two' is not a whole number"),
     (["serve", "--export", "e", "--max-batch", "0"], "argument --max-batch: 0 is below 1"),
+    (["recommend", "--export", "e", "--history", "1,a"], "argument --history: 'a' is not an item id"),
+    (["recommend", "--export", "e", "--history", str(2**63)], f"argument --history: {2**63} is outside int64"),
 ])
-def test_counts_out_of_range_are_refused_when_parsed(argv, message, capsys):
+def test_values_out_of_range_are_refused_when_parsed(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         hstu(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_history_is_item_ids_between_commas():
+    from lightning_modules.arguments import item_ids
+
+    assert item_ids(" 1, 2,,-3 ,") == [1, 2, -3] and item_ids("") == []
 
 
 def test_the_training_workers_counts_are_checked_too():
