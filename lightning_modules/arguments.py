@@ -25,7 +25,8 @@ POSITIVE, NON_NEGATIVE = at_least(1), at_least(0)
 
 
 def item_ids(text: str) -> list[int]:
-    """An argparse type: comma-separated item ids (int64 values, as the data holds them)."""
+    """An argparse type: comma-separated item ids (int64 values, as the data holds them),
+    at least one (a history, as the server's requests need one)."""
     ids = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
@@ -34,6 +35,8 @@ def item_ids(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"{part!r} is not an item id (a whole number)") from None
         if not -(2**63) <= ids[-1] < 2**63:
             raise argparse.ArgumentTypeError(f"{part} is outside int64, which item ids are")
+    if not ids:
+        raise argparse.ArgumentTypeError("no item id given")
     return ids
 
 

@@ -1,5 +1,7 @@
 """The `hstu` command line's errors: a message naming the problem and exit status 1, the
 traceback only with --debug."""
+import argparse
+
 import pytest
 
 from kernels.dynamic_embedding import DumpError
@@ -77,7 +79,9 @@ def test_values_out_of_range_are_refused_when_parsed(argv, message, capsys):
 def test_a_history_is_item_ids_between_commas():
     from lightning_modules.arguments import item_ids
 
-    assert item_ids(" 1, 2,,-3 ,") == [1, 2, -3] and item_ids("") == []
+    assert item_ids(" 1, 2,,-3 ,") == [1, 2, -3]
+    with pytest.raises(argparse.ArgumentTypeError, match="no item id given"):
+        item_ids(" , ")
 
 
 def test_the_training_workers_counts_are_checked_too():
