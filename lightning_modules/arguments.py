@@ -1,6 +1,6 @@
 """argparse types shared by `hstu` (pipelines/cli.py) and the training worker's command
-line (train.py): a count below its least sensible value, or an item id that is not one, is
-refused when the flags are parsed, with argparse's usage message, not deep in a run (a
+line (train.py): a count below its least sensible value, a rate or fraction out of its
+range, or an item id that is not one, is refused when the flags are parsed, with argparse's usage message, not deep in a run (a
 division by zero workers, a pipeline that trains no epoch)."""
 import argparse
 
@@ -22,6 +22,25 @@ def at_least(minimum: int):
 
 
 POSITIVE, NON_NEGATIVE = at_least(1), at_least(0)
+
+
+def number_in(low: float, high: float = float("inf"), low_included: bool = True):
+    """An argparse type: a real number in [low, high) (or (low, high) without low_included)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ((low <= value) if low_included else (low < value)) or not value < high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {'[' if low_included else '('}{low}, {high})")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+POSITIVE_NUMBER, NON_NEGATIVE_NUMBER, FRACTION = number_in(0.0, low_included=False), number_in(0.0), number_in(0.0, 1.0)
 
 
 def item_ids(text: str) -> list[int]:

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from . import model_files
-from .arguments import NON_NEGATIVE, POSITIVE, at_least
+from .arguments import FRACTION, NON_NEGATIVE, POSITIVE, POSITIVE_NUMBER, at_least
 from .callbacks import EpochCheckpoint, Validation, latest_checkpoint
 from .config import PRESETS, preset
 from .data_module import SequenceDataModule
@@ -56,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=POSITIVE, help="sequences per step, over all processes")
     p.add_argument("--max-seq-len", type=POSITIVE)
     p.add_argument("--num-negatives", type=POSITIVE)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--dropout", type=float)
+    p.add_argument("--lr", type=POSITIVE_NUMBER)
+    p.add_argument("--dropout", type=FRACTION)
     p.add_argument("--seed", type=int)
     p.add_argument("--cuda-graph-buckets", type=NON_NEGATIVE,
                    help="on GPUs, CUDA graphs of the model's training step, one per bucket of padded rows (0: none; default: the preset's)")
@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="data loader worker processes per training process (default: 4 on GPUs, 0 on CPUs)")
     p.add_argument("--checkpoint-every", type=POSITIVE, default=None, metavar="STEPS",
                    help="also checkpoint every this many steps within an epoch (the newest one kept)")
-    p.add_argument("--checkpoint-minutes", type=float, default=None,
+    p.add_argument("--checkpoint-minutes", type=POSITIVE_NUMBER, default=None,
                    help="also checkpoint once this many minutes have passed since the last checkpoint")
     p.add_argument("--log-every", type=POSITIVE, default=None,
                    help="steps between metric logs (default: 1 on CPUs; 50 on GPUs, where each log reads values back from the GPU)")

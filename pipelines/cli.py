@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from kernels.dynamic_embedding import DumpError
-from lightning_modules.arguments import NON_NEGATIVE, POSITIVE, at_least, item_ids
+from lightning_modules.arguments import NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE, at_least, item_ids
 from lightning_modules.config import PRESETS
 from components.steps import BASELINES
 from lightning_modules.datasets import DATASETS, DataError
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the row of an id no tier holds: its training-time initial row, or zeros")
     p.add_argument("--work-dir", default="serve-work", help="where each version's disk store is built")
     p.add_argument("--max-batch", type=POSITIVE, default=64, help="requests per device batch at most")
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a request waits for others to batch with")
+    p.add_argument("--max-wait-ms", type=NON_NEGATIVE_NUMBER, default=2.0, help="how long a request waits for others to batch with")
 
     p = sub.add_parser("compile", help="the pipeline as Kubeflow IR YAML")
     p.add_argument("--out", required=True)

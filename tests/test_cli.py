@@ -67,6 +67,7 @@ def test_training_without_prepared_data_stops_before_any_worker_starts(tmp_path,
     (["train", "--data-dir", "d", "--out", "o", "--patience", "-2"], "argument --patience: -2 is below -1"),
     (["manifest", "--data-dir", "d", "--out-dir", "o", "--gpus", "two"], "argument --gpus: 'two' is not a whole number"),
     (["serve", "--export", "e", "--max-batch", "0"], "argument --max-batch: 0 is below 1"),
+    (["serve", "--export", "e", "--max-wait-ms", "-1"], "argument --max-wait-ms: -1.0 is outside [0.0, inf)"),
     (["recommend", "--export", "e", "--history", "1,a"], "argument --history: 'a' is not an item id"),
     (["recommend", "--export", "e", "--history", str(2**63)], f"argument --history: {2**63} is outside int64"),
 ])
@@ -88,6 +89,8 @@ def test_the_training_workers_counts_are_checked_too():
     from lightning_modules.train import parse_args
 
     assert parse_args(["--data-dir", "d", "--out-dir", "o", "--loader-workers", "0", "--max-steps", "-1"]).loader_workers == 0
-    for flag, value in (("--batch-size", "0"), ("--epochs", "-1"), ("--patience", "-1"), ("--log-every", "0")):
+    assert parse_args(["--data-dir", "d", "--out-dir", "o", "--dropout", "0", "--lr", "1e-3"]).dropout == 0.0
+    for flag, value in (("--batch-size", "0"), ("--epochs", "-1"), ("--patience", "-1"), ("--log-every", "0"), ("--lr", "0"),
+                        ("--dropout", "1.0"), ("--dropout", "x"), ("--checkpoint-minutes", "-5")):
         with pytest.raises(SystemExit):
             parse_args(["--data-dir", "d", "--out-dir", "o", flag, value])
