@@ -67,8 +67,8 @@ SPLITS = ("train", "valid", "test")  # the prepared Parquet files, <split>.parqu
 
 def check_prepared(data_dir: str | Path) -> Path:
     """data_dir as a Path, where `prepare` wrote every split there; else a DataError that
-    names what is missing (before a training launch, not a reader's traceback in each
-    worker)."""
+    names the missing files. Training calls it before starting workers, so that missing
+    data is one message, not a read error in every worker."""
     path = Path(data_dir)
     missing = [f"{s}.parquet" for s in SPLITS if not (path / f"{s}.parquet").is_file()]
     if missing:

@@ -240,14 +240,20 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def check_export(export: str | Path) -> Path:
+    """export as a Path, if it holds an export.json (ServedModel checks the rest as it
+    loads); else FileNotFoundError."""
+    export = Path(export)
+    if not (export / "export.json").is_file():
+        raise FileNotFoundError(f"{export}: not an exported model (no export.json)")
+    return export
+
+
 def loader(config: ServingConfig, device: torch.device | str, work_dir: Path):
     """A function export dir → ServedModel, each version's disk store in a directory of
     its own under work_dir."""
     def load(export: str | Path) -> ServedModel:
-        export = Path(export)
-        if not (export / "export.json").is_file():
-            raise FileNotFoundError(f"{export}: not an exported model (no export.json)")
-        return ServedModel(export, work_dir / "stores" / uuid.uuid4().hex, config, device)
+        return ServedModel(check_export(export), work_dir / "stores" / uuid.uuid4().hex, config, device)
 
     return load
 
@@ -348,7 +354,5 @@ def create_app(export: str | Path, config: ServingConfig = ServingConfig(), devi
 def serve(export: str, host: str = "0.0.0.0", port: int = 8080, **kwargs) -> None:
     import uvicorn
 
-    from lightning_modules.export import read_export_info
-
-    read_export_info(Path(export))  # a path that holds no export: the command's error, before the server starts
+    check_export(export)  # a path without an export is the command's error, not the server's startup failure
     uvicorn.run(create_app(export, **kwargs), host=host, port=port, log_level="info")

@@ -199,9 +199,9 @@ def count_swap(
 @triton.jit
 def _all_lanes(count_ptr, n, BLOCK: tl.constexpr, COUNTED: tl.constexpr):
     """(lanes, inside, written) of this program: `inside` marks the lanes the kernel reads
-    and flags (before count[0] where COUNTED, else before n); `written` marks every lane
-    of the outputs (before n). The callers allocate the outputs without filling them and
-    read all n lanes, so a lane past the count gets the values of a lane that moves nothing."""
+    and flags (below count[0] where COUNTED, else below n); `written` marks every lane of
+    the outputs (below n). Lanes from count[0] to n get the values of a lane that moves
+    nothing, since the callers allocate the outputs unfilled and read all n lanes."""
     lanes, inside = _live_lanes(count_ptr, n, BLOCK, COUNTED)
     return lanes, inside, lanes < n
 
