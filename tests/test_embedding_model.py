@@ -129,6 +129,70 @@ def test_lookups_and_exported_rows_equal_a_dict_model(kind):
         assert table.table.size() <= 64 < s.size and s.demotions > 0  # the device tier overflowed
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_tiered_collection_with_prefetches_equals_a_dict_model(pipelined):
+    """Tiered tables grouped in a collection, batches of varying sizes, the next batch
+    prefetched in every training step: before the lookup (prefetch(i + 1), lookup(i),
+    apply_gradients(i)), or in a pipelined loop's order (lookup(i), prefetch(i + 1),
+    apply_gradients(i)), where the prefetch may move rows of batch i between its lookup
+    and its update, which must then find them where they are; read-only lookups and
+    statistics come between the prefetch and the update too. Every lookup and the rows at
+    the end against the dict model, per member (lru, lfu and admission)."""
+    from kernels.dynamic_embedding.collection import DynamicEmbeddingCollection
+    from kernels.dynamic_embedding.tiered_group import TieredTableGroup
+
+    steps, batch, distinct = (300, 700, 600) if ON_GPU else (16, 96, 160)
+    base = dict(dim=DIM, optimizer=OptimizerConfig("sgd", lr=LR), capacity=64, max_capacity=1 << 15, bucket_size=8,
+                backend="triton", device_capacity=64)
+    configs = {"recent": EmbeddingConfig(**base), "counted": EmbeddingConfig(**base, eviction="lfu", seed=3),
+               "admitted": EmbeddingConfig(**base, admission_threshold=2, seed=5)}
+    coll = DynamicEmbeddingCollection(configs, DEVICE)
+    assert [type(grp) for grp in coll.groups] == [TieredTableGroup] and coll.single == []
+    models = {n: DictModel(coll[n], c.admission_threshold) for n, c in configs.items()}
+    g = torch.Generator().manual_seed(11 + pipelined)
+    pool = id_pool(g, distinct)
+
+    def draw() -> dict[str, torch.Tensor]:
+        n = int(torch.randint(0, batch + 1, (1,), generator=g))
+        return {name: pool[(torch.rand(n, generator=g) ** 3 * distinct).long()] for name in configs}
+
+    def check_all(got: dict, ids: dict, what: str) -> None:
+        for name, x in ids.items():
+            check(got[name], models[name].expected(x.tolist()), f"{what}, {name}")
+
+    upcoming = draw()
+    for step in range(steps):
+        ids, upcoming = upcoming, draw()
+        on_device = {n: x.to(DEVICE) for n, x in ids.items()}
+        if step % 7 == 3:  # a read-only step
+            check_all(coll.lookup(on_device, train=False), ids, f"step {step}: read-only lookup")
+            continue
+        if not pipelined:
+            coll.prefetch({n: x.to(DEVICE) for n, x in upcoming.items()})
+        for name, x in ids.items():
+            models[name].train_lookup(x.tolist())
+        check_all(coll.lookup(on_device), ids, f"step {step}: train lookup")
+        if pipelined:
+            coll.prefetch({n: x.to(DEVICE) for n, x in upcoming.items()})
+        if step % 5 == 1:  # other calls before the update
+            check_all(coll.lookup(on_device, train=False), ids, f"step {step}: read-only lookup before the update")
+            assert coll["counted"].stats().rejections == 0
+        grads = {n: (torch.randint(-8, 9, (x.numel(), DIM), generator=g) / 16.0).float() for n, x in ids.items()}
+        coll.apply_gradients(on_device, {n: gr.to(DEVICE) for n, gr in grads.items()})
+        for name, x in ids.items():
+            models[name].update(x.tolist(), grads[name])
+    everything = sorted(set(pool.tolist()))
+    final = {n: torch.tensor(everything) for n in configs}
+    check_all(coll.lookup({n: x.to(DEVICE) for n, x in final.items()}, train=False), final, "final read-only lookup")
+    for name, model in models.items():
+        keys, emb, _, _ = coll[name].export_rows()
+        assert sorted(keys.tolist()) == sorted(model.rows), f"{name}: exported ids differ from the model's"
+        check(emb.cpu()[torch.argsort(keys.cpu())], model.expected(sorted(model.rows)), f"{name}: exported rows")
+        s = coll[name].stats()
+        assert s.rejections == 0 and s.evictions == 0 and s.size == len(model.rows), name
+        assert coll[name].table.size() <= 64 < s.size and s.promotions > 0 and s.demotions > 0, name
+
+
 @pytest.mark.parametrize("backend,deterministic", [("reference", True), ("triton", True), ("triton", False)])
 def test_a_dump_loads_whole_into_a_tiered_table_smaller_on_the_device(tmp_path, backend, deterministic):
     """200 rows loaded into a table of 64 device rows: each row is kept, in one tier, with

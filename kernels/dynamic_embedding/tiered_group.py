@@ -163,7 +163,7 @@ class TieredTableGroup(TableGroup):
             keys, tids = torch.cat([keys, old_keys]), torch.cat([tids, old_tids])
             scores = torch.cat([scores, torch.full_like(old_keys, LOWEST_SCORE)])
             from_host = torch.cat([torch.where(live, from_host, -1), from_host.new_full(old_keys.shape, -1)])
-            barred = torch.cat([barred, torch.ones_like(barred)])
+            barred = torch.cat([barred, torch.ones_like(old_keys, dtype=torch.bool)])
             count = None
         s = swap_in(  # (its exchange in host-address order: a prefetch moves most of an iteration's rows)
             self._tiers(), keys, tids, scores, count, barred=barred, from_host=from_host, force=self._force, ordered=True,
