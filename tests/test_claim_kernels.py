@@ -166,6 +166,23 @@ def test_a_forced_claim_evicts_rows_scored_above_its_keys(fn):
     assert int(t.keys[slots[0]]) == int(newcomer[0]) and int(t.scores[slots[0]]) == 1
 
 
+def test_per_lane_inputs_of_another_length_are_refused():
+    """A barred mask, table ids or scores shorter than the keys would be read past their
+    end by the kernel: the claim names the input instead."""
+    stack = stacks(3, 2)[0]
+    keys = torch.arange(10, device=DEVICE)
+    tids = torch.zeros(10, dtype=torch.int32, device=DEVICE)
+    scores = torch.ones(10, dtype=torch.int64, device=DEVICE)
+    for kw, name in [(dict(barred=torch.zeros(7, dtype=torch.bool, device=DEVICE)), "barred"),
+                     (dict(tids=tids[:9]), "tids"), (dict(scores=scores[:3]), "scores")]:
+        args = dict(tids=tids, scores=scores) | kw
+        with pytest.raises(ValueError, match=f"claim: {name} has"):
+            claim(stack, keys, args.pop("scores"), BUCKET, **args)
+    per_table = torch.ones(2, dtype=torch.int64, device=DEVICE)  # one score per table: not per lane
+    slots = claim(stack, keys, per_table, BUCKET, tids, table_scores=True)[0]
+    assert slots.numel() == 10
+
+
 @pytest.mark.parametrize("n", [117, 122])
 def test_every_output_starts_aligned_whatever_the_count(n):
     """The outputs share one allocation; each starts 16-byte aligned (a kernel handed a

@@ -416,6 +416,11 @@ def claim(
     key of a full bucket evicts the bucket's lowest-score row not used by the call even
     where that score is above its own. Twin: claim_reference.claim_reference."""
     n = keys.numel()
+    # the kernel reads these per lane: a shorter one would be read past its end
+    per_lane = {"tids": tids, "barred": barred, "scores": None if table_scores else scores}
+    for name, x in per_lane.items():
+        if x is not None and x.numel() != n:
+            raise ValueError(f"claim: {name} has {x.numel()} entries for {n} keys")
     words, flag_bytes = _output_strides(n)
     flag_words = 2 * flag_bytes // 8
     out = keys.new_empty((3 * words if victims else words) + flag_words)  # (int64, as keys)
