@@ -64,16 +64,18 @@ def test_tiered_collection_trains_like_its_tables_one_by_one(promote_on_miss):
     def batch(n: int) -> dict:
         return {name: torch.randint(0, 80, (n,), generator=gen).to(DEVICE) for name in cfg}
 
-    upcoming = batch(40)
+    sizes = [40, 55, 30, 45, 20]  # batches of varying sizes (a prefetch carries the one before)
+    upcoming = batch(sizes[0])
     for step in range(4):
-        ids, upcoming = upcoming, batch(40)
-        scores = {"ranked": torch.randint(0, 1000, (40,), generator=gen).to(DEVICE)}
+        ids, upcoming = upcoming, batch(sizes[step + 1])
+        n = ids["user"].numel()
+        scores = {"ranked": torch.randint(0, 1000, (n,), generator=gen).to(DEVICE)}
         train = step != 2
         got = coll.lookup(ids, train=train, scores=scores)
         for name, x in ids.items():
             want = alone[name].lookup(x, train=train, scores=scores.get(name))
             torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
-        grads = {name: torch.randn(40, DIM, generator=gen).to(DEVICE) for name in cfg}
+        grads = {name: torch.randn(n, DIM, generator=gen).to(DEVICE) for name in cfg}
         if step == 3:  # an update of other ids than the lookup's
             ids = {name: x.flip(0) for name, x in ids.items()}
         coll.apply_gradients(ids, grads)
