@@ -193,6 +193,71 @@ def test_a_tiered_collection_with_prefetches_equals_a_dict_model(pipelined):
         assert coll[name].table.size() <= 64 < s.size and s.promotions > 0 and s.demotions > 0, name
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_features_sharing_tiered_tables_equal_a_dict_model(pipelined):
+    """Features on tiered tables in one collection: "a" and "b" share table "t" (b
+    write_first: an id's gradient counts from a alone where a holds it in the call), "c"
+    reads t without training it, "d" trains table "u" (admission); batches of varying
+    sizes, some features absent from some calls, the next batch prefetched before the
+    lookup or between it and the update. Every lookup and the rows at the end against a
+    dict model per table."""
+    from kernels.dynamic_embedding.collection import DynamicEmbeddingCollection, FeatureConfig
+
+    steps, batch, distinct = (200, 500, 400) if ON_GPU else (12, 64, 120)
+    base = dict(dim=DIM, optimizer=OptimizerConfig("sgd", lr=LR), capacity=64, max_capacity=1 << 15, bucket_size=8,
+                backend="triton", device_capacity=64)
+    configs = {"t": EmbeddingConfig(**base, eviction="lfu"), "u": EmbeddingConfig(**base, admission_threshold=2, seed=4)}
+    features = {"a": FeatureConfig("t"), "b": FeatureConfig("t", "write_first"), "c": FeatureConfig("t", "read_only"),
+                "d": FeatureConfig("u")}
+    coll = DynamicEmbeddingCollection(configs, DEVICE, features)
+    models = {n: DictModel(coll[n], c.admission_threshold) for n, c in configs.items()}
+    trained = {"t": ["a", "b"], "u": ["d"]}  # each table's trained features, in the collection's order
+    g = torch.Generator().manual_seed(21 + pipelined)
+    pool = id_pool(g, distinct)
+
+    def draw() -> dict[str, torch.Tensor]:
+        present = [f for f in features if f == "a" or bool(torch.rand(1, generator=g) < 0.7)]
+        return {f: pool[(torch.rand(int(torch.randint(0, batch + 1, (1,), generator=g)), generator=g) ** 3 * distinct).long()]
+                for f in present}
+
+    def check_all(got: dict, ids: dict, what: str) -> None:
+        for f, x in ids.items():
+            check(got[f], models[features[f].table].expected(x.tolist()), f"{what}, feature {f}")
+
+    upcoming = draw()
+    for step in range(steps):
+        ids, upcoming = upcoming, draw()
+        on_device = {f: x.to(DEVICE) for f, x in ids.items()}
+        ahead = {f: x.to(DEVICE) for f, x in upcoming.items()}
+        if not pipelined:
+            coll.prefetch(ahead)
+        for table, names in trained.items():
+            models[table].train_lookup(sum((ids[f].tolist() for f in names if f in ids), []))
+        check_all(coll.lookup(on_device), ids, f"step {step}: lookup")
+        if pipelined:
+            coll.prefetch(ahead)
+        grads = {f: (torch.randint(-8, 9, (x.numel(), DIM), generator=g) / 16.0).float() for f, x in ids.items()}
+        coll.apply_gradients(on_device, {f: gr.to(DEVICE) for f, gr in grads.items()})
+        for table, names in trained.items():
+            held: set = set()  # ids of the table's earlier features in this call
+            for f in (f for f in names if f in ids):
+                x = ids[f].tolist()
+                if features[f].mode == "write_first":
+                    keep = [i not in held for i in x]
+                    models[table].update([i for i, k in zip(x, keep) if k], grads[f][torch.tensor(keep, dtype=torch.bool)])
+                else:
+                    models[table].update(x, grads[f])
+                held.update(x)
+    for table, model in models.items():
+        keys, emb, _, _ = coll[table].export_rows()
+        assert sorted(keys.tolist()) == sorted(model.rows), f"{table}: exported ids differ from the model's"
+        check(emb.cpu()[torch.argsort(keys.cpu())], model.expected(sorted(model.rows)), f"{table}: exported rows")
+        s = coll[table].stats()
+        assert s.rejections == 0 and s.evictions == 0 and s.size == len(model.rows), table
+        assert coll[table].table.size() <= 64 and s.demotions > 0, table  # rows moved between the tiers
+    assert coll["t"].stats().size > 64
+
+
 @pytest.mark.parametrize("backend,deterministic", [("reference", True), ("triton", True), ("triton", False)])
 def test_a_dump_loads_whole_into_a_tiered_table_smaller_on_the_device(tmp_path, backend, deterministic):
     """200 rows loaded into a table of 64 device rows: each row is kept, in one tier, with
