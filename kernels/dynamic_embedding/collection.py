@@ -160,15 +160,25 @@ class DynamicEmbeddingCollection:
         later = [i for i, n in enumerate(names) if i > 0 and self.features[n].mode == MODE_WRITE_FIRST]
         if not later:
             return joined
-        sizes = torch.tensor([ids[n].numel() for n in names], device=joined.device)
-        feature = torch.repeat_interleave(torch.arange(len(names), device=joined.device), sizes)
-        keys = torch.cat([ids[n].reshape(-1) for n in names]).to(joined.device)
-        _, inverse = torch.unique(keys, return_inverse=True)
-        first = torch.full((int(inverse.max()) + 1,), len(names), dtype=torch.int64, device=joined.device)
-        first.scatter_reduce_(0, inverse, feature, "amin")
-        write_first = torch.zeros(len(names), dtype=torch.bool, device=joined.device)
+        dev = joined.device
+        sizes = [ids[n].numel() for n in names]
+        feature = torch.repeat_interleave(
+            torch.arange(len(names), device=dev), torch.tensor(sizes, device=dev), output_size=joined.shape[0],
+        )
+        keys = torch.cat([ids[n].reshape(-1) for n in names]).to(dev)
+        # each lane's id's first feature, without waiting for the GPU (torch.unique would):
+        # a stable sort keeps an id's lanes in feature order, so its first lane is its run's
+        order = torch.argsort(keys, stable=True)
+        sorted_keys = keys[order]
+        starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+        starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+        lanes = torch.arange(keys.numel(), device=dev)
+        run_start = torch.where(starts, lanes, 0).cummax(0).values
+        first = torch.empty_like(feature)
+        first[order] = feature[order][run_start]
+        write_first = torch.zeros(len(names), dtype=torch.bool, device=dev)
         write_first[later] = True
-        drop = write_first[feature] & (first[inverse] < feature)
+        drop = write_first[feature] & (first < feature)
         return joined.masked_fill(drop[:, None], 0.0)
 
     # ---- tables ---------------------------------------------------------------------------
