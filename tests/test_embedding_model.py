@@ -82,6 +82,18 @@ def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=2e-5, msg=lambda m: f"{what}: {m}")
 
 
+def check_exported(table: DynamicEmbedding, model: DictModel, name: str):
+    """A tiered table of 64 device rows holds the model's ids and rows, lost and refused
+    none, and moved rows down; returns its statistics."""
+    keys, emb, _, _ = table.export_rows()
+    assert sorted(keys.tolist()) == sorted(model.rows), f"{name}: exported ids differ from the model's"
+    check(emb.cpu()[torch.argsort(keys.cpu())], model.expected(sorted(model.rows)), f"{name}: exported rows")
+    s = table.stats()
+    assert s.rejections == 0 and s.evictions == 0 and s.size == len(model.rows), name
+    assert table.table.size() <= 64 and s.demotions > 0, name  # rows moved between the tiers
+    return s
+
+
 @pytest.mark.parametrize("kind", list(TABLES))
 def test_lookups_and_exported_rows_equal_a_dict_model(kind):
     backend, overrides = TABLES[kind]
@@ -185,12 +197,8 @@ def test_a_tiered_collection_with_prefetches_equals_a_dict_model(pipelined):
     final = {n: torch.tensor(everything) for n in configs}
     check_all(coll.lookup({n: x.to(DEVICE) for n, x in final.items()}, train=False), final, "final read-only lookup")
     for name, model in models.items():
-        keys, emb, _, _ = coll[name].export_rows()
-        assert sorted(keys.tolist()) == sorted(model.rows), f"{name}: exported ids differ from the model's"
-        check(emb.cpu()[torch.argsort(keys.cpu())], model.expected(sorted(model.rows)), f"{name}: exported rows")
-        s = coll[name].stats()
-        assert s.rejections == 0 and s.evictions == 0 and s.size == len(model.rows), name
-        assert coll[name].table.size() <= 64 < s.size and s.promotions > 0 and s.demotions > 0, name
+        s = check_exported(coll[name], model, name)
+        assert s.size > 64 and s.promotions > 0, name
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -249,12 +257,7 @@ def test_features_sharing_tiered_tables_equal_a_dict_model(pipelined):
                     models[table].update(x, grads[f])
                 held.update(x)
     for table, model in models.items():
-        keys, emb, _, _ = coll[table].export_rows()
-        assert sorted(keys.tolist()) == sorted(model.rows), f"{table}: exported ids differ from the model's"
-        check(emb.cpu()[torch.argsort(keys.cpu())], model.expected(sorted(model.rows)), f"{table}: exported rows")
-        s = coll[table].stats()
-        assert s.rejections == 0 and s.evictions == 0 and s.size == len(model.rows), table
-        assert coll[table].table.size() <= 64 and s.demotions > 0, table  # rows moved between the tiers
+        check_exported(coll[table], model, table)
     assert coll["t"].stats().size > 64
 
 
