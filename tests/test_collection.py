@@ -275,6 +275,49 @@ def test_write_first_counts_an_ids_gradient_from_its_first_feature_only():
         torch.testing.assert_close(row, before[i] - SGD.lr * step)
 
 
+@pytest.mark.parametrize("empty", ["watched", "liked"])
+def test_a_shared_tables_feature_may_come_without_ids(empty):
+    """A call where one feature of a shared table (read_write or write_first) has no ids
+    trains the other's as the table alone would."""
+    coll, alone = shared_table({"watched": "read_write", "liked": "write_first"})
+    ids = {"watched": torch.tensor([1, 2, 2], device=DEVICE), "liked": torch.tensor([2, 5], device=DEVICE)}
+    ids[empty] = ids[empty][:0]
+    got = coll.lookup(ids)
+    kept = ids["liked" if empty == "watched" else "watched"]
+    torch.testing.assert_close(got[empty], torch.empty(0, 4, device=DEVICE))
+    torch.testing.assert_close(torch.cat([got["watched"], got["liked"]]), alone.lookup(kept))
+    grads = {n: torch.ones(x.numel(), 4, device=DEVICE) for n, x in ids.items()}
+    coll.apply_gradients(ids, grads)
+    alone.apply_gradients(kept, torch.ones(kept.numel(), 4, device=DEVICE))
+    assert_same_rows(coll["movies"], alone)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="only a GPU has waits to count")
+def test_a_write_first_update_never_waits_for_the_gpu():
+    """Lookups and updates of a table shared by a read_write and a write_first feature
+    (tables at their full size: no growth check to settle) make no call that waits."""
+    from kernels.dynamic_embedding.collection import FeatureConfig
+
+    cfg = EmbeddingConfig(dim=4, optimizer=SGD, bucket_size=8, backend="triton", capacity=1024, max_capacity=1024)
+    coll = DynamicEmbeddingCollection({"t": cfg}, DEVICE, {"a": FeatureConfig("t"), "b": FeatureConfig("t", "write_first")})
+
+    def step(seed: int) -> None:
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        ids = {n: torch.randint(0, 300, (64,), device=DEVICE, generator=g) for n in ("a", "b")}
+        rows = coll.lookup(ids)
+        coll.apply_gradients(ids, {n: torch.ones_like(r) for n, r in rows.items()})
+
+    step(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for seed in range(1, 4):
+            step(seed)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert coll["t"].stats().size > 0
+
+
 def test_admission_in_a_group_counts_new_ids_before_storing_them():
     """A member with admission threshold 2 grouped with an lru member: a new id is served
     its initial row and not stored on its first sighting (a lookup, not a rejection), and

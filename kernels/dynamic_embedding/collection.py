@@ -147,24 +147,25 @@ class DynamicEmbeddingCollection:
             raise KeyError(f"gradients for {sorted(grads)} but ids for {sorted(ids)}")
         by_table = self._by_table(ids, read_only=False)
         table_ids = {t: self._join(t, names, ids) for t, names in by_table.items()}
-        table_grads = {t: self._table_grads(names, ids, grads) for t, names in by_table.items()}
+        table_grads = {t: self._table_grads(t, names, ids, grads) for t, names in by_table.items()}
         self._apply_tables(table_ids, table_grads)
 
-    def _table_grads(self, names: list[str], ids: dict, grads: dict) -> torch.Tensor:
+    def _table_grads(self, table: str, names: list[str], ids: dict, grads: dict) -> torch.Tensor:
         """A table's features' gradients joined, write_first features' rows zeroed where an
         earlier feature of the table holds the id (the id's segment then sums the first
-        feature's gradients alone)."""
+        feature's gradients alone). Nothing here waits for the GPU."""
         if len(names) == 1:
             return grads[names[0]]
-        joined = torch.cat([grads[n].reshape(ids[n].numel(), -1) for n in names])
+        dim = self.tables[table].dim
+        joined = torch.cat([grads[n].reshape(ids[n].numel(), dim) for n in names])
         later = [i for i, n in enumerate(names) if i > 0 and self.features[n].mode == MODE_WRITE_FIRST]
         if not later:
             return joined
         dev = joined.device
-        sizes = [ids[n].numel() for n in names]
-        feature = torch.repeat_interleave(
-            torch.arange(len(names), device=dev), torch.tensor(sizes, device=dev), output_size=joined.shape[0],
-        )
+        # per lane, its feature and whether that is a later write_first one (filled on the
+        # device: a host list copied there would wait)
+        feature = torch.cat([torch.full((ids[n].numel(),), i, dtype=torch.int64, device=dev) for i, n in enumerate(names)])
+        later_lane = torch.cat([torch.full((ids[n].numel(),), i in later, device=dev) for i, n in enumerate(names)])
         keys = torch.cat([ids[n].reshape(-1) for n in names]).to(dev)
         # each lane's id's first feature, without waiting for the GPU (torch.unique would):
         # a stable sort keeps an id's lanes in feature order, so its first lane is its run's
@@ -176,10 +177,7 @@ class DynamicEmbeddingCollection:
         run_start = torch.where(starts, lanes, 0).cummax(0).values
         first = torch.empty_like(feature)
         first[order] = feature[order][run_start]
-        write_first = torch.zeros(len(names), dtype=torch.bool, device=dev)
-        write_first[later] = True
-        drop = write_first[feature] & (first < feature)
-        return joined.masked_fill(drop[:, None], 0.0)
+        return joined.masked_fill((later_lane & (first < feature))[:, None], 0.0)
 
     # ---- tables ---------------------------------------------------------------------------
     def _ids_of(self, group: TableGroup, ids: dict) -> list[torch.Tensor]:
