@@ -127,3 +127,21 @@ def test_the_worker_logger_sends_at_most_once_a_second_and_everything_at_the_end
     history = MlflowClient(uri).get_metric_history(logger.run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(200)) and "epoch" not in MlflowClient(uri).get_run(logger.run_id).data.metrics
     assert sum(calls) == 200 and (len(calls) <= 3 or not fast)  # a request a second, not a step
+
+
+def test_the_registered_models_code_defines_without_warnings():
+    """MLflow wraps a PythonModel's predict when its class is defined and warns where the
+    input has no type hint; the logged signature describes the input, and `hstu run`'s
+    output carried that warning at every export and load."""
+    # (MLflow's own modules warn at their import: imported before the recording; MLflow
+    # catches what its wrapping raises, so the warnings are recorded, not made errors)
+    code = (
+        "import mlflow.pyfunc, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import components.mlflow_model\n"
+        "print(len(caught), *(w.message for w in caught))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("0"), done.stdout
