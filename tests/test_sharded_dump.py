@@ -263,7 +263,9 @@ def _collection_against_tables(rank, world, out, in_order):
     alone = {n: ShardedDynamicEmbedding(c) for n, c in COLLECTION.items()}
     g = torch.Generator().manual_seed(7 + rank)
     for step in range(5):
-        sizes = {"a": 40, "b": 0 if step == 1 else 25, "c": 30}  # an empty feature in one call
+        # sizes differ between the ranks; feature b is empty on both ranks at step 1, and on
+        # one rank alone at steps 2 (rank 0) and 3 (rank 1)
+        sizes = {"a": 40 + 9 * rank, "b": 0 if step == 1 or step == 2 + rank else 25 - 4 * rank, "c": 30 + step}
         ids = {n: ALL_IDS[torch.randint(len(ALL_IDS), (k,), generator=g)] for n, k in sizes.items()}
         got = together.lookup(ids)
         for n, x in ids.items():
