@@ -150,7 +150,8 @@ def test_a_tiered_collection_with_prefetches_equals_a_dict_model(pipelined):
     apply_gradients(i)), where the prefetch may move rows of batch i between its lookup
     and its update, which must then find them where they are; read-only lookups and
     statistics come between the prefetch and the update too. Every lookup and the rows at
-    the end against the dict model, per member (lru, lfu and admission)."""
+    the end against the dict model, per member (lru, lfu, admission and epoch_lfu, the
+    epoch moving every five steps)."""
     from kernels.dynamic_embedding.collection import DynamicEmbeddingCollection
     from kernels.dynamic_embedding.tiered_group import TieredTableGroup
 
@@ -158,7 +159,8 @@ def test_a_tiered_collection_with_prefetches_equals_a_dict_model(pipelined):
     base = dict(dim=DIM, optimizer=OptimizerConfig("sgd", lr=LR), capacity=64, max_capacity=1 << 15, bucket_size=8,
                 backend="triton", device_capacity=64)
     configs = {"recent": EmbeddingConfig(**base), "counted": EmbeddingConfig(**base, eviction="lfu", seed=3),
-               "admitted": EmbeddingConfig(**base, admission_threshold=2, seed=5)}
+               "admitted": EmbeddingConfig(**base, admission_threshold=2, seed=5),
+               "epochs": EmbeddingConfig(**base, eviction="epoch_lfu", seed=7)}
     coll = DynamicEmbeddingCollection(configs, DEVICE)
     assert [type(grp) for grp in coll.groups] == [TieredTableGroup] and coll.single == []
     models = {n: DictModel(coll[n], c.admission_threshold) for n, c in configs.items()}
@@ -177,6 +179,7 @@ def test_a_tiered_collection_with_prefetches_equals_a_dict_model(pipelined):
     for step in range(steps):
         ids, upcoming = upcoming, draw()
         on_device = {n: x.to(DEVICE) for n, x in ids.items()}
+        coll.set_epoch(step // 5)
         if step % 7 == 3:  # a read-only step
             check_all(coll.lookup(on_device, train=False), ids, f"step {step}: read-only lookup")
             continue
