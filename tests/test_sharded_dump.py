@@ -1,4 +1,5 @@
 """Sharded tables over gloo, and dumps: re-sharding, incremental, refusal of bad dumps."""
+import dataclasses
 import json
 
 import pytest
@@ -286,3 +287,47 @@ def test_a_sharded_collection_exchanges_all_tables_at_once_with_the_tables_resul
     for rank in range(2):
         for n, (together, alone) in torch.load(tmp_path / f"rows.rank{rank}.pt").items():
             torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6, msg=n)  # sums in another order on GPUs
+
+
+TIERED = {n: dataclasses.replace(c, device_capacity=32, max_capacity=1 << 12) for n, c in COLLECTION.items()}
+
+
+def _prefetching_against_not(rank, world, out):
+    """Tiered tables sharded over the ranks, trained with and without prefetches of the
+    next batch (before the lookup, or between the lookup and its update): the same rows in
+    the end; the prefetches move rows up."""
+    from kernels.dynamic_embedding import ShardedDynamicEmbeddingCollection
+
+    ahead, plain = ShardedDynamicEmbeddingCollection(TIERED), ShardedDynamicEmbeddingCollection(TIERED)
+    g = torch.Generator().manual_seed(11 + rank)
+    batches = [{n: ALL_IDS[torch.randint(len(ALL_IDS), (int(torch.randint(0, 60, (1,), generator=g)),), generator=g)]
+                for n in TIERED} for _ in range(7)]
+    moved = []  # rows each prefetch moved up, on every rank together
+
+    def prefetch(batch: dict) -> None:
+        before = sum(s.promotions for s in ahead.stats().values())
+        ahead.prefetch(batch)
+        moved.append(sum(s.promotions for s in ahead.stats().values()) - before)
+
+    for step, ids in enumerate(batches[:-1]):
+        grads = {n: torch.randn(x.numel(), TIERED[n].dim, generator=g) for n, x in ids.items()}
+        if step % 2 == 0:
+            prefetch(batches[step + 1])
+        got = ahead.lookup(ids)
+        if step % 2 == 1:
+            prefetch(batches[step + 1])
+        for n, x in plain.lookup(ids).items():
+            torch.testing.assert_close(got[n], x, rtol=0, atol=0)
+        ahead.apply_gradients(ids, grads)
+        plain.apply_gradients(ids, grads)
+    rows = {n: (ahead[n].lookup(ALL_IDS, train=False), plain[n].lookup(ALL_IDS, train=False)) for n in TIERED}
+    torch.save((rows, moved), f"{out}.rank{rank}.pt")
+
+
+def test_a_sharded_collection_prefetches_the_rows_its_ranks_own(tmp_path):
+    run_distributed(2, _prefetching_against_not, str(tmp_path / "rows"))
+    for rank in range(2):
+        rows, moved = torch.load(tmp_path / f"rows.rank{rank}.pt")
+        for n, (ahead, plain) in rows.items():
+            torch.testing.assert_close(ahead, plain, rtol=1e-5, atol=1e-6, msg=n)
+        assert sum(moved) > 0

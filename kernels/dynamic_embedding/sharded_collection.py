@@ -3,6 +3,7 @@ together: the tables of one model (an item table and its side features' tables).
 
     tables = ShardedDynamicEmbeddingCollection({"item": item_config, "genre": genre_config}, "cuda")
     rows = tables.lookup({"item": item_ids, "genre": genre_ids})     # name -> (N_f, dim)
+    tables.prefetch({"item": next_item_ids})                          # tiered tables: rows up ahead
     tables.apply_gradients({"item": item_ids, ...}, {"item": grad, ...})
     dump(tables["genre"], path)                                       # each table dumps alone
 
@@ -90,6 +91,16 @@ class ShardedDynamicEmbeddingCollection:
         self.local.apply_gradients(r.recv_ids, {
             n: part[:, : self.tables[n].dim] for n, part in zip(r.names, received.split([x.numel() for x in r.recv_ids.values()]))
         })
+
+    def prefetch(self, ids: dict[str, torch.Tensor]) -> None:
+        """Moves the host rows of each table's ids (the next batch's) to the device ahead of
+        their lookup, as DynamicEmbeddingCollection.prefetch; a collective with several
+        ranks: each rank's distinct ids go to their owners (one exchange, as a lookup's),
+        which prefetch them. The routing of the lookup before stays for its update."""
+        if self.world_size == 1:
+            return self.local.prefetch(ids)
+        self.local._check(ids)
+        self.local.prefetch(self._route(ids).recv_ids)
 
     def _sum_copies(self, r: _Route, grads: list[torch.Tensor]) -> torch.Tensor:
         """(distinct ids, width): each distinct id's gradient rows summed (narrower tables'
