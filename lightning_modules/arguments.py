@@ -1,7 +1,8 @@
 """argparse types shared by `hstu` (pipelines/cli.py) and the training worker's command
 line (train.py): a count below its least sensible value, a rate or fraction out of its
-range, or an item id that is not one, is refused when the flags are parsed, with argparse's usage message, not deep in a run (a
-division by zero workers, a pipeline that trains no epoch)."""
+range, or an item id that is not one, is refused when the flags are parsed, with
+argparse's usage message, not deep in a run (a division by zero workers, a pipeline that
+trains no epoch)."""
 import argparse
 
 

@@ -147,13 +147,14 @@ class DynamicEmbeddingCollection:
             raise KeyError(f"gradients for {sorted(grads)} but ids for {sorted(ids)}")
         by_table = self._by_table(ids, read_only=False)
         table_ids = {t: self._join(t, names, ids) for t, names in by_table.items()}
-        table_grads = {t: self._table_grads(t, names, ids, grads) for t, names in by_table.items()}
+        table_grads = {t: self._table_grads(t, names, table_ids[t], ids, grads) for t, names in by_table.items()}
         self._apply_tables(table_ids, table_grads)
 
-    def _table_grads(self, table: str, names: list[str], ids: dict, grads: dict) -> torch.Tensor:
+    def _table_grads(self, table: str, names: list[str], joined_ids: torch.Tensor, ids: dict, grads: dict) -> torch.Tensor:
         """A table's features' gradients joined, write_first features' rows zeroed where an
         earlier feature of the table holds the id (the id's segment then sums the first
-        feature's gradients alone). Nothing here waits for the GPU."""
+        feature's gradients alone); joined_ids: the features' ids as _join joined them.
+        Nothing here waits for the GPU."""
         if len(names) == 1:
             return grads[names[0]]
         dim = self.tables[table].dim
@@ -166,7 +167,7 @@ class DynamicEmbeddingCollection:
         # device: a host list copied there would wait)
         feature = torch.cat([torch.full((ids[n].numel(),), i, dtype=torch.int64, device=dev) for i, n in enumerate(names)])
         later_lane = torch.cat([torch.full((ids[n].numel(),), i in later, device=dev) for i, n in enumerate(names)])
-        keys = torch.cat([ids[n].reshape(-1) for n in names]).to(dev)
+        keys = joined_ids.to(dev)
         # each lane's id's first feature, without waiting for the GPU (torch.unique would):
         # a stable sort keeps an id's lanes in feature order, so its first lane is its run's
         order = torch.argsort(keys, stable=True)
