@@ -3,8 +3,12 @@
 For each user of a split, the last item of the sequence is the target and the items before
 it the history. A ranker scores every item of the catalog (all items of the dataset) after
 the history; items already in the history are excluded, and the target's rank gives HR@K,
-NDCG@K and MRR. A tie in score counts in the target's favour. The rankers of one run
-(the model, SASRec, most-popular) are scored on the same users in the same pass.
+NDCG@K and MRR. Items scored equal to the target are ordered at random: each metric is its
+expectation over that order (so a ranker that scores every item alike gets a random
+ranker's metrics, not a perfect one), and a NaN score ranks ahead of the target where
+another item has it and behind every item where the target has it (a diverged model
+scores nothing). The rankers of one run (the model, SASRec, most-popular) are scored on the
+same users in the same pass.
 
 Validation during training uses the same code on the `valid` split, over a fixed sample
 of users where the split is large, each rank of a process group taking its share.
@@ -26,31 +30,45 @@ from .sasrec import catalog_indices
 KS = (10, 50, 200)
 
 
-def ranking_metrics(ranks: torch.Tensor, ks=KS) -> dict[str, float]:
-    """ranks: 0-based rank of each user's target among the candidates."""
-    sums, n = metric_sums(ranks, ks), ranks.numel()
+def ranking_metrics(ranks: torch.Tensor, ties: torch.Tensor | None = None, ks=KS) -> dict[str, float]:
+    """ranks: each user's count of candidates ranked ahead of the target (0: first);
+    ties: of candidates scored equal to it (none where not given)."""
+    sums, n = metric_sums(ranks, ties, ks), ranks.numel()
     return {k: v / max(n, 1) for k, v in sums.items()}
 
 
-def metric_sums(ranks: torch.Tensor, ks=KS) -> dict[str, float]:
-    """Per-user metrics summed (so that shares of users add up): hr@k, ndcg@k, mrr."""
-    r = ranks.to(torch.float64)
+def metric_sums(ranks: torch.Tensor, ties: torch.Tensor | None = None, ks=KS) -> dict[str, float]:
+    """Per-user metrics summed (so that shares of users add up): hr@k, ndcg@k, mrr, each
+    the mean over the target's places ranks .. ranks + ties (the ties in random order)."""
+    first = ranks.to(torch.float64)
+    places = 1 + (torch.zeros_like(first) if ties is None else ties.to(torch.float64))
+    end = first + places  # one past the last place
+    gain = 1.0 / torch.log2(torch.arange(max(ks) + 2, dtype=torch.float64)[:-1] + 2)  # place r: 1 / log2(r + 2)
+    gains = torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])  # gains[n]: places 0 .. n - 1
     out = {}
     for k in ks:
-        hit = r < k
-        out[f"hr@{k}"] = hit.double().sum().item()
-        out[f"ndcg@{k}"] = torch.where(hit, 1.0 / torch.log2(r + 2), torch.zeros_like(r)).sum().item()
-    out["mrr"] = (1.0 / (r + 1)).sum().item()
+        lo, hi = first.clamp(max=k), end.clamp(max=k)  # the places that fall in the top k
+        out[f"hr@{k}"] = ((hi - lo) / places).sum().item()
+        out[f"ndcg@{k}"] = ((gains[hi.long()] - gains[lo.long()]) / places).sum().item()
+    # sum of 1 / (r + 1) over the places: harmonic numbers, H(n) = digamma(n + 1) + Euler's constant
+    out["mrr"] = ((torch.special.digamma(end + 1) - torch.special.digamma(first + 1)) / places).sum().item()
     return out
 
 
-def target_ranks(scores: torch.Tensor, target: torch.Tensor, exclude: torch.Tensor) -> torch.Tensor:
-    """scores (U, M); target (U,) column index; exclude (U, M) bool → rank of the target
-    among candidates not excluded (the target itself is never excluded)."""
-    exclude = exclude.clone()
-    exclude[torch.arange(len(target)), target] = False
+def target_ranks(scores: torch.Tensor, target: torch.Tensor, exclude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores (U, M); target (U,) column index; exclude (U, M) bool → per user, the
+    candidates (not excluded, the target never excluded) scored above the target or NaN,
+    and those scored equal to it, the target itself not counted. A NaN target has every
+    other candidate ahead of it."""
+    rows = torch.arange(len(target))
+    others = ~exclude
+    others[rows, target] = False
     target_score = scores.gather(1, target[:, None])
-    return ((scores > target_score) & ~exclude).sum(1)
+    ahead = ((scores > target_score) | scores.isnan()) & others
+    tied = (scores == target_score) & others
+    lost = target_score[:, 0].isnan()  # every other candidate ahead
+    ranks = torch.where(lost, others.sum(1), ahead.sum(1))
+    return ranks, torch.where(lost, 0, tied.sum(1))
 
 
 class Ranker(Protocol):
@@ -156,7 +174,7 @@ def evaluate_rankers(
     # batches of similar lengths: a batch is padded to its longest history
     users = users[np.argsort(np.diff(full.offsets)[users], kind="stable")]
     windows = sorted({r.max_seq_len for r in rankers.values()})
-    ranks: dict[str, list[torch.Tensor]] = {name: [] for name in rankers}
+    ranks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in rankers}
     for start in range(0, len(users), batch_size):
         sequences = [full[int(u)] for u in users[start : start + batch_size]]
         target = torch.searchsorted(catalog, torch.tensor([int(items[-1]) for items, _ in sequences]))
@@ -174,9 +192,9 @@ def evaluate_rankers(
     on = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     out = {}
     for name, r in ranks.items():
-        r = torch.cat(r) if r else torch.empty(0, dtype=torch.int64)
-        sums = metric_sums(r)
-        totals = torch.tensor([*sums.values(), r.numel()], dtype=torch.float64, device=on)
+        ahead, tied = (torch.cat(x) for x in zip(*r)) if r else (torch.empty(0, dtype=torch.int64),) * 2
+        sums = metric_sums(ahead, tied)
+        totals = torch.tensor([*sums.values(), ahead.numel()], dtype=torch.float64, device=on)
         if distributed:
             dist.all_reduce(totals, group=group)
         n = int(totals[-1])
