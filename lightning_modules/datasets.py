@@ -305,8 +305,12 @@ def build_sequences(x: Interactions, min_length: int = 3) -> tuple[dict[str, pa.
     user, item, ts = x.user[keep], x.item[keep], x.timestamp[keep]
     order = np.lexsort((np.arange(len(user)), ts, user))  # by user, then time, then input order
     user, item, ts = user[order], item[order], ts[order]
+    # a repeated (user, item, time) is dropped after its first row, wherever it sits among
+    # that user's other items of the same time: ordered by item as well, repeats are adjacent
+    by_item = np.lexsort((np.arange(len(user)), item, ts, user))
+    repeat = (np.diff(user[by_item]) == 0) & (np.diff(item[by_item]) == 0) & (np.diff(ts[by_item]) == 0)
     dup = np.zeros(len(user), dtype=bool)
-    dup[1:] = (user[1:] == user[:-1]) & (item[1:] == item[:-1]) & (ts[1:] == ts[:-1])
+    dup[by_item[1:][repeat]] = True
     user, item, ts = user[~dup], item[~dup], ts[~dup]
 
     starts = np.flatnonzero(np.r_[True, user[1:] != user[:-1]]) if len(user) else np.array([], dtype=np.int64)

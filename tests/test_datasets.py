@@ -21,19 +21,20 @@ def test_ml1m_dat_format_sorted_split_and_stable_ties(tmp_path):
     lines = [
         "1::10::5::300", "1::11::3::100", "1::12::4::200", "1::13::4::200",  # a tie at 200: input order
         "1::10::5::300",  # exact duplicate: dropped
+        "1::14::4::200", "1::12::4::200",  # a duplicate with another item of its time between: dropped
         "2::10::9.5::1", "2::20::4::2", "2::21::11::3",  # rating 11: out of range, dropped
         "3::5::1::1",  # too short: dropped
     ]
     (tmp_path / "ratings.dat").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     assert hstu(["prepare", "--dataset", "ml-1m", "--data-dir", str(tmp_path), "--out", str(out)]) == 0
-    assert sequences(out) == {1: [11, 12, 13, 10]}
-    assert sequences(out, "valid") == {1: [11, 12, 13]} and sequences(out, "train") == {1: [11, 12]}
+    assert sequences(out) == {1: [11, 12, 13, 14, 10]}
+    assert sequences(out, "valid") == {1: [11, 12, 13, 14]} and sequences(out, "train") == {1: [11, 12, 13]}
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["rows_read"] == 9 and stats["rows_dropped_duplicate"] == 1
+    assert stats["rows_read"] == 11 and stats["rows_dropped_duplicate"] == 2
     assert stats["rows_dropped_bad_rating"] == 1 and stats["users_dropped_short"] == 2
     ts = pq.read_table(out / "test.parquet").column("timestamps").to_pylist()
-    assert ts == [[100, 200, 200, 300]]
+    assert ts == [[100, 200, 200, 200, 300]]
 
 
 def test_ml20m_csv_inside_a_zip_and_ml100k_tsv(tmp_path):
