@@ -2,13 +2,15 @@
 
 For each user of a split, the last item of the sequence is the target and the items before
 it the history. A ranker scores every item of the catalog (all items of the dataset) after
-the history; items already in the history are excluded, and the target's rank gives HR@K,
-NDCG@K and MRR. Items scored equal to the target are ordered at random: each metric is its
-expectation over that order (so a ranker that scores every item alike gets a random
-ranker's metrics, not a perfect one), and a NaN score ranks ahead of the target where
-another item has it and behind every item where the target has it (a diverged model
-scores nothing). The rankers of one run (the model, SASRec, most-popular) are scored on the
-same users in the same pass.
+the history; items already in the history are excluded, as `recommend` excludes them when
+serving, and the target's rank gives HR@K, NDCG@K and MRR. A target that is itself in the
+history (a repeat) is excluded with it and counts as a miss: ranked among the history's
+other items alone it would be told apart by being the one left in. Items scored equal to
+the target are ordered at random: each metric is its expectation over that order (so a
+ranker that scores every item alike gets a random ranker's metrics, not a perfect one). A
+NaN score ranks ahead of the target where another item has it, and a NaN target is a miss
+(a diverged model scores nothing). The rankers of one run (the model, SASRec,
+most-popular) are scored on the same users in the same pass.
 
 Validation during training uses the same code on the `valid` split, over a fixed sample
 of users where the split is large, each rank of a process group taking its share.
@@ -30,20 +32,24 @@ from .sasrec import catalog_indices
 KS = (10, 50, 200)
 
 
+MISS = float("inf")  # the rank of a target that cannot be hit (in the history, or scored NaN)
+
+
 def ranking_metrics(ranks: torch.Tensor, ties: torch.Tensor | None = None, ks=KS) -> dict[str, float]:
-    """ranks: each user's count of candidates ranked ahead of the target (0: first);
-    ties: of candidates scored equal to it (none where not given)."""
+    """ranks: each user's count of candidates ranked ahead of the target (0: first; MISS:
+    no place); ties: of candidates scored equal to it (none where not given)."""
     sums, n = metric_sums(ranks, ties, ks), ranks.numel()
     return {k: v / max(n, 1) for k, v in sums.items()}
 
 
 def metric_sums(ranks: torch.Tensor, ties: torch.Tensor | None = None, ks=KS) -> dict[str, float]:
     """Per-user metrics summed (so that shares of users add up): hr@k, ndcg@k, mrr, each
-    the mean over the target's places ranks .. ranks + ties (the ties in random order)."""
+    the mean over the target's places ranks .. ranks + ties (the ties in random order);
+    0 for a MISS."""
     first = ranks.to(torch.float64)
     places = 1 + (torch.zeros_like(first) if ties is None else ties.to(torch.float64))
     end = first + places  # one past the last place
-    gain = 1.0 / torch.log2(torch.arange(max(ks) + 2, dtype=torch.float64)[:-1] + 2)  # place r: 1 / log2(r + 2)
+    gain = 1.0 / torch.log2(torch.arange(max(ks) + 1, dtype=torch.float64) + 2)  # place r: 1 / log2(r + 2)
     gains = torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])  # gains[n]: places 0 .. n - 1
     out = {}
     for k in ks:
@@ -51,24 +57,24 @@ def metric_sums(ranks: torch.Tensor, ties: torch.Tensor | None = None, ks=KS) ->
         out[f"hr@{k}"] = ((hi - lo) / places).sum().item()
         out[f"ndcg@{k}"] = ((gains[hi.long()] - gains[lo.long()]) / places).sum().item()
     # sum of 1 / (r + 1) over the places: harmonic numbers, H(n) = digamma(n + 1) + Euler's constant
-    out["mrr"] = ((torch.special.digamma(end + 1) - torch.special.digamma(first + 1)) / places).sum().item()
+    hit = first.isfinite()
+    rr = (torch.special.digamma(end[hit] + 1) - torch.special.digamma(first[hit] + 1)) / places[hit]
+    out["mrr"] = rr.sum().item()
     return out
 
 
 def target_ranks(scores: torch.Tensor, target: torch.Tensor, exclude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores (U, M); target (U,) column index; exclude (U, M) bool → per user, the
-    candidates (not excluded, the target never excluded) scored above the target or NaN,
-    and those scored equal to it, the target itself not counted. A NaN target has every
-    other candidate ahead of it."""
+    """scores (U, M); target (U,) column index; exclude (U, M) bool → per user (float64),
+    the candidates (not excluded) scored above the target or NaN, and those scored equal
+    to it, the target itself not counted. A target excluded or scored NaN has rank MISS."""
     rows = torch.arange(len(target))
+    target_score = scores.gather(1, target[:, None])
     others = ~exclude
     others[rows, target] = False
-    target_score = scores.gather(1, target[:, None])
-    ahead = ((scores > target_score) | scores.isnan()) & others
-    tied = (scores == target_score) & others
-    lost = target_score[:, 0].isnan()  # every other candidate ahead
-    ranks = torch.where(lost, others.sum(1), ahead.sum(1))
-    return ranks, torch.where(lost, 0, tied.sum(1))
+    ahead = (((scores > target_score) | scores.isnan()) & others).sum(1)
+    tied = ((scores == target_score) & others).sum(1)
+    missed = exclude[rows, target] | target_score[:, 0].isnan()
+    return torch.where(missed, MISS, ahead.double()), torch.where(missed, 0, tied).double()
 
 
 class Ranker(Protocol):
@@ -178,7 +184,7 @@ def evaluate_rankers(
     for start in range(0, len(users), batch_size):
         sequences = [full[int(u)] for u in users[start : start + batch_size]]
         target = torch.searchsorted(catalog, torch.tensor([int(items[-1]) for items, _ in sequences]))
-        exclude = torch.zeros(len(sequences), len(catalog), dtype=torch.bool)  # the whole history
+        exclude = torch.zeros(len(sequences), len(catalog), dtype=torch.bool)  # the whole history, a repeated target too
         for b, (items, _) in enumerate(sequences):
             exclude[b, torch.searchsorted(catalog, torch.from_numpy(items[:-1]))] = True
         for window in windows:  # each ranker reads the last max_seq_len items of the history
@@ -192,7 +198,7 @@ def evaluate_rankers(
     on = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     out = {}
     for name, r in ranks.items():
-        ahead, tied = (torch.cat(x) for x in zip(*r)) if r else (torch.empty(0, dtype=torch.int64),) * 2
+        ahead, tied = (torch.cat(x) for x in zip(*r)) if r else (torch.empty(0, dtype=torch.float64),) * 2
         sums = metric_sums(ahead, tied)
         totals = torch.tensor([*sums.values(), ahead.numel()], dtype=torch.float64, device=on)
         if distributed:

@@ -10,7 +10,6 @@ from lightning_modules.config import HSTUConfig, preset
 from lightning_modules.data import PackedBatch, jagged_batch, padded, unpacked
 from lightning_modules.data_module import SequenceDataModule
 from lightning_modules.datasets import prepare
-from lightning_modules.evaluate import ranking_metrics, target_ranks
 from lightning_modules.hstu import HSTU, KernelLayerNorm
 from lightning_modules.losses import catalog_softmax_loss, sampled_softmax_loss
 from lightning_modules.module import HSTULightningModule, count_optimizer_step
@@ -173,63 +172,6 @@ def test_the_catalog_softmax_is_the_sampled_softmax_over_every_item():
     full = catalog_softmax_loss(out, catalog_emb, target, 0.05)
     sampled = sampled_softmax_loss(out, catalog_emb[target], target, catalog_emb, torch.arange(7), 0.05)
     torch.testing.assert_close(full, sampled)
-
-
-def test_ranking_metrics_and_history_exclusion():
-    m = ranking_metrics(torch.tensor([0, 9, 10, 199]), ks=(10, 200))
-    assert m["hr@10"] == 0.5 and m["hr@200"] == 1.0
-    torch.testing.assert_close(torch.tensor(m["ndcg@10"]), torch.tensor((1 + 1 / torch.log2(torch.tensor(11.0)).item()) / 4))
-    torch.testing.assert_close(m["mrr"], (1 + 1 / 10 + 1 / 11 + 1 / 200) / 4)
-    scores = torch.tensor([[5.0, 4.0, 3.0, 2.0]])
-    no_history = torch.zeros(1, 4, dtype=torch.bool)
-    assert [r.item() for r in target_ranks(scores, torch.tensor([2]), no_history)] == [2, 0]
-    exclude = torch.tensor([[True, False, True, False]])  # item 0 is history; the target is never excluded
-    assert [r.item() for r in target_ranks(scores, torch.tensor([2]), exclude)] == [1, 0]
-
-
-def _metrics_over_every_order(scores: torch.Tensor, target: int, ks) -> dict[str, float]:
-    """The metrics of one user averaged over every order of the items scored equal: each
-    permutation of the catalog breaks ties by its position, the target's rank counted
-    one by one (a model of metric_sums and target_ranks, sharing no code with them)."""
-    import itertools
-    import math
-
-    totals = dict.fromkeys([f"{m}@{k}" for k in ks for m in ("hr", "ndcg")] + ["mrr"], 0.0)
-    orders = list(itertools.permutations(range(len(scores))))
-    for order in orders:
-        place = {item: p for p, item in enumerate(order)}
-        rank = sum(1 for j in range(len(scores)) if j != target and (scores[j] > scores[target] or (scores[j] == scores[target] and place[j] < place[target])))
-        for k in ks:
-            totals[f"hr@{k}"] += rank < k
-            totals[f"ndcg@{k}"] += 1 / math.log2(rank + 2) if rank < k else 0.0
-        totals["mrr"] += 1 / (rank + 1)
-    return {name: v / len(orders) for name, v in totals.items()}
-
-
-def test_ties_count_as_their_expectation_over_a_random_order():
-    gen = torch.Generator().manual_seed(0)
-    ks = (1, 2, 3)
-    for _ in range(30):
-        scores = torch.randint(0, 3, (1, 6), generator=gen).double()  # few values: many ties
-        target = int(torch.randint(0, 6, (1,), generator=gen))
-        got = ranking_metrics(*target_ranks(scores, torch.tensor([target]), torch.zeros(1, 6, dtype=torch.bool)), ks=ks)
-        want = _metrics_over_every_order(scores[0].tolist(), target, ks)
-        for name, value in want.items():
-            assert got[name] == pytest.approx(value, abs=1e-12), (name, scores, target)
-
-
-def test_a_ranker_that_scores_everything_alike_or_nan_is_not_rewarded():
-    catalog, users = 1000, 4
-    target = torch.tensor([0, 10, 500, 999])
-    none = torch.zeros(users, catalog, dtype=torch.bool)
-    alike = ranking_metrics(*target_ranks(torch.zeros(users, catalog), target, none))
-    assert alike["hr@10"] == pytest.approx(10 / catalog) and alike["hr@200"] == pytest.approx(200 / catalog)
-    nan = ranking_metrics(*target_ranks(torch.full((users, catalog), float("nan")), target, none))
-    assert nan["hr@200"] == 0.0 and nan["mrr"] == pytest.approx(1 / catalog)
-    scores = torch.randn(users, catalog)
-    scores[:, 1::2] = float("nan")  # NaN items rank ahead of a finite target
-    ahead, tied = target_ranks(scores, target, none)
-    assert (ahead >= catalog // 2 - 1).all() and (tied == 0).all()
 
 
 def test_training_step_on_batches_with_and_without_targets():
