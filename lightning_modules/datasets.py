@@ -251,13 +251,17 @@ def _read_generic_parquet(path: Path) -> Interactions:
 
 
 # ---- synthetic ----------------------------------------------------------------------------
+REDRAWS = 8  # synthetic(): draws of a genre's items before drawing among its unseen ones alone
+
+
 def synthetic(
     users: int = 6040, items: int = 3706, genres: int = 18, seed: int = 0, mean_length: float = 165.0
 ) -> Interactions:
     """Seeded interactions shaped like ML-1M: Zipf item popularity, log-normal sequence
-    lengths (at least 20), users with a few favourite genres, and a sequential habit
-    (often the next item follows the previous one in its genre), so that a sequence model
-    has something to learn beyond popularity. Item ids are sparse 40-bit values."""
+    lengths (at least 20), users with a few favourite genres, a sequential habit (often the
+    next item follows the previous one in its genre), so that a sequence model has
+    something to learn beyond popularity, and no item twice in a user's sequence (a user
+    rates a movie once). Item ids are sparse 40-bit values."""
     rng = np.random.default_rng(seed)
     item_ids = rng.choice(1 << 40, size=items, replace=False).astype(np.int64)
     genre_of = rng.integers(0, genres, size=items)
@@ -265,27 +269,50 @@ def synthetic(
     members = [m if len(m) else np.array([0]) for m in members]
     popularity = [1.0 / np.arange(1, len(m) + 1) ** 1.1 for m in members]
     popularity = [p / p.sum() for p in popularity]
+    cumulative = [np.cumsum(p) for p in popularity]  # a draw: the first item whose sum passes a uniform
     position = np.empty(items, dtype=np.int64)
-    for m in members:
+    weight = np.empty(items)  # each item's popularity within its genre
+    for m, p in zip(members, popularity):
         position[m] = np.arange(len(m))
+        weight[m] = p
+
+    def draw(g: int, seen: np.ndarray) -> int:
+        """An unseen item of genre g by popularity (a few draws of the whole genre, then
+        its unseen items alone, then any unseen item)."""
+        m = members[g]
+        for _ in range(REDRAWS):
+            item = m[min(int(np.searchsorted(cumulative[g], rng.random(), side="right")), len(m) - 1)]
+            if not seen[item]:
+                return item
+        w = np.where(seen[m], 0.0, popularity[g])
+        if w.sum() > 0:
+            return m[rng.choice(len(m), p=w / w.sum())]
+        w = np.where(seen, 0.0, weight)
+        return rng.choice(items, p=w / w.sum())
 
     sigma = 0.95
     lengths = rng.lognormal(np.log(mean_length) - sigma**2 / 2, sigma, size=users)
-    lengths = np.clip(lengths, 20, 2000).astype(np.int64)
+    lengths = np.clip(lengths, 20, min(2000, items)).astype(np.int64)
     out_u, out_i, out_t = [], [], []
     for u in range(users):
         n = int(lengths[u])
         favourites = rng.choice(genres, size=2, replace=False)
         seq = np.empty(n, dtype=np.int64)
+        seen = np.zeros(items, dtype=bool)
         prev = -1
         for t in range(n):
-            if prev >= 0 and rng.random() < 0.35:  # habit: the next item of the same genre
-                g = genre_of[prev]
-                seq[t] = members[g][(position[prev] + 1) % len(members[g])]
-            else:
-                g = favourites[rng.integers(2)] if rng.random() < 0.8 else rng.integers(genres)
-                seq[t] = members[g][rng.choice(len(members[g]), p=popularity[g])]
-            prev = seq[t]
+            item = -1
+            if prev >= 0 and rng.random() < 0.35:  # habit: the next item of the same genre not seen yet
+                m = members[genre_of[prev]]
+                for step in range(1, len(m)):
+                    after = m[(position[prev] + step) % len(m)]
+                    if not seen[after]:
+                        item = after
+                        break
+            if item < 0:
+                item = draw(favourites[rng.integers(2)] if rng.random() < 0.8 else rng.integers(genres), seen)
+            seq[t] = prev = item
+            seen[item] = True
         start = rng.integers(946_684_800, 1_046_476_800)  # 2000-2003, as ML-1M
         out_u.append(np.full(n, 1 + u, dtype=np.int64))
         out_i.append(item_ids[seq])
