@@ -183,21 +183,26 @@ def next_model_version(tracking_uri: str, name: str = MODEL_NAME) -> int:
 
 
 def input_example():
-    """A request the served model answers (components/mlflow_model.py): histories, top k."""
+    """A request the served model answers (components/mlflow_model.py): histories, their
+    times, top k."""
     import pandas as pd
 
-    return pd.DataFrame({"history": [[1, 2, 3]], "k": [10]})
+    return pd.DataFrame({"history": [[1, 2, 3]], "timestamps": [[978300760, 978301968, 978302109]], "k": [10]})
 
 
 def model_signature():
-    """The served model's columns: `history` (item ids, oldest first), optional `k`; out:
-    one list of item ids per row."""
+    """The served model's columns: `history` (item ids, oldest first), optional
+    `timestamps` (the history's times) and `k`; out: one list of item ids per row."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, Schema
     from mlflow.types.schema import Array
 
     return ModelSignature(
-        inputs=Schema([ColSpec(Array(DataType.long), "history"), ColSpec(DataType.long, "k", required=False)]),
+        inputs=Schema([
+            ColSpec(Array(DataType.long), "history"),
+            ColSpec(Array(DataType.long), "timestamps", required=False),
+            ColSpec(DataType.long, "k", required=False),
+        ]),
         outputs=Schema([ColSpec(Array(DataType.long))]),
     )
 

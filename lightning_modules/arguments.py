@@ -44,20 +44,29 @@ def number_in(low: float, high: float = float("inf"), low_included: bool = True)
 POSITIVE_NUMBER, NON_NEGATIVE_NUMBER, FRACTION = number_in(0.0, low_included=False), number_in(0.0), number_in(0.0, 1.0)
 
 
-def item_ids(text: str) -> list[int]:
-    """An argparse type: comma-separated item ids (int64 values, as the data holds them),
-    at least one (a history, as the server's requests need one)."""
-    ids = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            ids.append(int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not an item id (a whole number)") from None
-        if not -(2**63) <= ids[-1] < 2**63:
-            raise argparse.ArgumentTypeError(f"{part} is outside int64, which item ids are")
-    if not ids:
-        raise argparse.ArgumentTypeError("no item id given")
-    return ids
+def int64_values(what: str):
+    """An argparse type: comma-separated int64 values (item ids or timestamps, as the data
+    holds them), at least one; errors name each value as `what`."""
+
+    def parse(text: str) -> list[int]:
+        values = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            try:
+                values.append(int(part))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{part!r} is not an {what} (a whole number)") from None
+            if not -(2**63) <= values[-1] < 2**63:
+                raise argparse.ArgumentTypeError(f"{part} is outside int64, which {what}s are")
+        if not values:
+            raise argparse.ArgumentTypeError(f"no {what} given")
+        return values
+
+    parse.__name__ = f"{what}s"
+    return parse
+
+
+item_ids = int64_values("item id")  # a history: at least one id, as the server's requests need
+timestamps = int64_values("timestamp")
 
 
 item_ids.__name__ = "item ids"

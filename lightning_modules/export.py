@@ -83,8 +83,12 @@ class Recommender:
     def recommend(
         self, history: list[int] | np.ndarray, timestamps: list[int] | None = None, k: int = 10, exclude_history: bool = True
     ) -> list[tuple[int, float]]:
-        """Top-k (item id, cosine score) to follow a history of item ids (oldest first); the
-        history's items excluded unless exclude_history is False."""
+        """Top-k (item id, cosine score) to follow a history of item ids (oldest first) and
+        the times of its items (in the training data's unit; None: all 0, which the model's
+        time bias reads as no gaps); the history's items excluded unless exclude_history is
+        False."""
+        if timestamps is not None and len(timestamps) != len(history):
+            raise ValueError(f"timestamps has {len(timestamps)} entries, history {len(history)}")
         max_len = self.model.config.max_seq_len
         ids = torch.as_tensor(np.asarray(history, dtype=np.int64)[-max_len:])
         ts = torch.as_tensor(np.asarray(timestamps if timestamps is not None else np.zeros(len(history)), dtype=np.int64)[-max_len:])

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from kernels.dynamic_embedding import DumpError
-from lightning_modules.arguments import NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE, at_least, item_ids
+from lightning_modules.arguments import NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE, at_least, item_ids, timestamps
 from lightning_modules.config import PRESETS
 from components.steps import BASELINES
 from lightning_modules.datasets import DATASETS, DataError
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recommend", help="top-k items after a history, from an export")
     p.add_argument("--export", required=True)
     p.add_argument("--history", required=True, type=item_ids, help="comma-separated item ids, oldest first")
+    p.add_argument("--timestamps", type=timestamps, default=None,
+                   help="comma-separated times of the history's items, in the training data's unit (default: all 0)")
     p.add_argument("-k", type=POSITIVE, default=10)
 
     p = sub.add_parser("serve", help="an export online over HTTP: recommend, score, health, metrics, updates, snapshots")
@@ -224,7 +226,7 @@ def _run(args) -> int:
     elif args.command == "recommend":
         from lightning_modules.export import Recommender
 
-        for item, score in Recommender.load(args.export).recommend(args.history, k=args.k):
+        for item, score in Recommender.load(args.export).recommend(args.history, args.timestamps, k=args.k):
             print(f"{item}\t{score:.4f}")
     elif args.command == "compile":
         from .pipeline import DEFAULT_IMAGE, compile_pipeline

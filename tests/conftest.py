@@ -221,7 +221,7 @@ def check_run_page(tracking_uri: str, run_id: str, data_dir, system_metrics: boo
     assert linked["test/hr_at_10"] == pytest.approx(run.data.metrics["test/hr_at_10"])  # the final metrics, not step 0's
     assert "data/users" not in linked
     info = mlflow.models.get_model_info(version.source)
-    assert [c.name for c in info.signature.inputs.inputs] == ["history", "k"] and info.signature.outputs is not None
+    assert [c.name for c in info.signature.inputs.inputs] == ["history", "timestamps", "k"] and info.signature.outputs is not None
     requirements = mlflow.pyfunc.get_model_dependencies(version.source)
     with open(requirements) as f:
         names = {line.split("==")[0].split(";")[0].strip() for line in f if line.strip() and not line.startswith("-")}

@@ -72,9 +72,14 @@ def test_mlflow_run_has_params_curves_metrics_artifacts_and_a_registered_model(p
     assert version.run_id == run.info.run_id
     mlflow.set_tracking_uri(results["tracking_uri"])
     served = mlflow.pyfunc.load_model(f"models:/hstu/{version.version}")
-    history = pd.read_parquet(pipeline_run / "data" / "test.parquet")["item_ids"][0].tolist()
-    predictions = served.predict(pd.DataFrame({"history": [history[:-1]], "k": [5]}))
-    assert len(predictions[0]) == 5 and not set(predictions[0]) & set(history[:-1])
+    test = pd.read_parquet(pipeline_run / "data" / "test.parquet")
+    history, times = test["item_ids"][0].tolist()[:-1], test["timestamps"][0].tolist()[:-1]
+    predictions = served.predict(pd.DataFrame({"history": [history], "k": [5]}))
+    assert len(predictions[0]) == 5 and not set(predictions[0]) & set(history)
+    # with the history's times, as evaluation reads them; rows without times next to rows with them
+    rec = Recommender.load(pipeline_run / "export")
+    both = served.predict(pd.DataFrame({"history": [history, history], "timestamps": [times, None], "k": [5, 5]}))
+    assert both == [[i for i, _ in rec.recommend(history, t, k=5)] for t in (times, None)]
 
 
 def test_export_loader_returns_topk_for_a_history(pipeline_run, capsys):
@@ -87,6 +92,19 @@ def test_export_loader_returns_topk_for_a_history(pipeline_run, capsys):
     assert len(rec.recommend([], k=3)) == 3  # an empty history still answers
     hstu(["recommend", "--export", str(pipeline_run / "export"), "--history", ",".join(map(str, history)), "-k", "4"])
     assert len(capsys.readouterr().out.strip().splitlines()) == 4
+    # the history's times reach the model's time bias: the scores are those of recommend with them
+    times = [0, 3600, 7200, 90000, 10**6]
+    hstu(["recommend", "--export", str(pipeline_run / "export"), "--history", ",".join(map(str, history)),
+          "--timestamps", ",".join(map(str, times)), "-k", "4"])
+    printed = [line.split("\t") for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(int(i), round(s, 4)) for i, s in ((i, float(s)) for i, s in printed)] == [
+        (i, round(s, 4)) for i, s in rec.recommend(history, times, k=4)]
+    assert rec.recommend(history, times, k=4) != rec.recommend(history, k=4)
+    with pytest.raises(ValueError, match="timestamps has 2 entries, history 5"):
+        rec.recommend(history, times[:2])
+    with pytest.raises(SystemExit) as e:
+        hstu(["recommend", "--export", str(pipeline_run / "export"), "--history", "1,2", "--timestamps", "5"])
+    assert e.value.code == 1 and "hstu: error: timestamps has 1 entries, history 2" in capsys.readouterr().err
 
 
 def test_compiled_pipeline_loads_back_with_kfp(tmp_path):
@@ -444,12 +462,18 @@ def test_the_registered_model_serves_with_mlflow_models_serve(pipeline_run, tmp_
                 time.sleep(0.5)
         rec = Recommender.load(pipeline_run / "export")
         history = rec.item_ids[:4].tolist()
-        body = {"dataframe_split": {"columns": ["history", "k"], "data": [[history, 5]]}}
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as r:
-            predictions = json.loads(r.read())["predictions"]
-        assert predictions == [[i for i, _ in rec.recommend(history, k=5)]]
+        times = [10, 20, 4000, 90000]
+        for columns, rows, want in (
+            (["history", "k"], [[history, 5]], [rec.recommend(history, k=5)]),
+            (["history", "timestamps", "k"], [[history, times, 5], [history, None, 5]],
+             [rec.recommend(history, times, k=5), rec.recommend(history, k=5)]),
+        ):
+            body = {"dataframe_split": {"columns": columns, "data": rows}}
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as r:
+                predictions = json.loads(r.read())["predictions"]
+            assert predictions == [[i for i, _ in top] for top in want]
     finally:
         server.terminate()
         server.wait(timeout=30)
