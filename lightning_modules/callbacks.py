@@ -3,7 +3,8 @@
 
 `Validation` runs first at the end of an epoch: it logs `val/*`, tracks the best value of
 its monitored metric and stops training once that has not improved for `patience`
-validations. `EpochCheckpoint`, after it in the trainer's callback list, saves the epoch
+validations, or once the last logged training loss is not finite on any rank (a diverged
+run: its weights and rows are NaN from then on). `EpochCheckpoint`, after it in the trainer's callback list, saves the epoch
 and keeps it as the best checkpoint when the validation just improved.
 """
 import os
@@ -19,6 +20,7 @@ from .evaluate import catalog_of, evaluate_rankers, whole_histories
 CHECKPOINT_PATTERNS = ("epoch=*.ckpt", "step=*.ckpt")  # each epoch's; the newest within an epoch
 DUMP_PATTERN = "embeddings-step-*"
 LEFTOVER_PATTERNS = (".*.partial*", ".*.old")  # what an interrupted checkpoint or dump leaves
+LOSS = "train/loss"  # the training loss the modules log, which Validation checks for divergence
 
 
 class Validation(Callback):
@@ -63,10 +65,17 @@ class Validation(Callback):
             self.since_best += 1
         if self.patience is not None and self.since_best >= self.patience:
             trainer.should_stop = True
+        loss = trainer.callback_metrics.get(LOSS)
+        diverged = trainer.strategy.reduce_boolean_decision(loss is not None and not bool(loss.isfinite().all()), all=False)
+        if diverged:
+            trainer.should_stop = True
         if trainer.is_global_zero:
             shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in ("hr@10", "ndcg@10", "hr@50", "mrr"))
             note = " (best)" if self.improved else f" (best: epoch {self.best_epoch})"
             print(f"epoch {epoch}: validation {shown}, {metrics['users']} users{note}", flush=True)
+            if diverged:
+                print(f"epoch {epoch}: {LOSS} is not finite (training diverged): stopping; the best validated "
+                      f"checkpoint is epoch {self.best_epoch}'s", flush=True)
 
     def state_dict(self) -> dict:
         return {"best_value": self.best_value, "best_epoch": self.best_epoch, "since_best": self.since_best}

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
+from .callbacks import LOSS
 from .config import HSTUConfig
 from .cuda_graphs import GraphedHSTU
 from .evaluate import HSTURanker, SASRecRanker
@@ -221,7 +222,7 @@ class HSTULightningModule(L.LightningModule):
         self._samples += batch_size * self.trainer.world_size
         if self.global_step % max(1, self.trainer.log_every_n_steps):
             return
-        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=batch_size)
+        self.log(LOSS, loss.detach(), prog_bar=True, on_step=True, batch_size=batch_size)
         now = time.perf_counter()
         values = {}
         if self._last_logged is not None:
@@ -304,7 +305,7 @@ class SASRecLightningModule(L.LightningModule):
         g = step_generator(self.config.seed, self.global_step, self.global_rank)
         negatives = negatives_outside_history(targets, self.config.num_items, history, g)
         loss = bce_loss(hidden, targets, negatives, self.model.items.weight, mask)
-        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=B)
+        self.log(LOSS, loss.detach(), prog_bar=True, on_step=True, batch_size=B)
         return loss
 
     def rankers(self, catalog: torch.Tensor) -> dict:

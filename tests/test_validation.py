@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_modules import model_files
-from lightning_modules.callbacks import EpochCheckpoint, Validation
+from lightning_modules.callbacks import LOSS, EpochCheckpoint, Validation
 from lightning_modules.evaluate import HSTURanker, catalog_of, evaluate_rankers, whole_histories
 from pipelines.cli import main as hstu
 
@@ -83,6 +83,33 @@ def test_training_stops_once_validation_stops_improving_and_keeps_the_best_check
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt")) == ["epoch=0002.ckpt", "epoch=0003.ckpt", "epoch=0004.ckpt"]
     best = torch.load(checkpoints.best_path, weights_only=True)
     assert best["state_dict"]["weight"].item() == 2.0  # the weights of epoch 2, not of the last epoch
+
+
+class DivergingModule(ScriptedModule):
+    """A ScriptedModule whose logged training loss turns NaN from epoch `nan_from` on."""
+
+    def __init__(self, ranks: list[int], nan_from: int):
+        super().__init__(ranks)
+        self.nan_from = nan_from
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log(LOSS, float("nan") if self.current_epoch >= self.nan_from else 1.0, on_step=True)
+        return loss
+
+
+def test_a_run_whose_loss_turns_nan_stops_at_that_epoch_and_keeps_the_best_checkpoint(tmp_path, capsys):
+    write_split(tmp_path / "data", USERS)
+    module = DivergingModule(ranks=[3, 1, 5, 5, 5, 5], nan_from=2)  # diverged, it ranks the target last
+    validation = Validation(tmp_path / "data", patience=10)
+    checkpoints = EpochCheckpoint(tmp_path / "ckpt", validation)
+    trainer = L.Trainer(max_epochs=6, callbacks=[validation, checkpoints], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    trainer.fit(module)
+    assert trainer.current_epoch == 3  # epochs 0-2 ran; the NaN loss of epoch 2 stopped it
+    assert "train/loss is not finite (training diverged)" in capsys.readouterr().out
+    assert validation.since_best == 1 < validation.patience  # patience alone would have trained on
+    assert checkpoints.best_path.name == "epoch=0001.ckpt"
 
 
 def test_the_trained_model_is_the_best_validated_checkpoint_and_same_seed_runs_repeat(tmp_path):
