@@ -4,8 +4,9 @@
 `Validation` runs first at the end of an epoch: it logs `val/*`, tracks the best value of
 its monitored metric and stops training once that has not improved for `patience`
 validations, or once the last logged training loss is not finite on any rank (a diverged
-run: its weights and rows are NaN from then on). `EpochCheckpoint`, after it in the trainer's callback list, saves the epoch
-and keeps it as the best checkpoint when the validation just improved.
+run: its weights and rows are NaN from then on). `EpochCheckpoint`, after it in the
+trainer's callback list, saves the epoch and keeps it as the best checkpoint when the
+validation just improved.
 """
 import os
 import shutil
