@@ -26,6 +26,7 @@ from .collection import DynamicEmbeddingCollection
 from .embedding import EmbeddingConfig, TableStats
 from .sharded import ShardedDynamicEmbedding
 from .hashing import shard_of
+from .run_sum_kernels import sum_runs
 
 
 @dataclass
@@ -104,13 +105,16 @@ class ShardedDynamicEmbeddingCollection:
 
     def _sum_copies(self, r: _Route, grads: list[torch.Tensor]) -> torch.Tensor:
         """(distinct ids, width): each distinct id's gradient rows summed (narrower tables'
-        padded with zeros); in the call's order where a table is deterministic, else with
-        atomics on CUDA."""
+        padded with zeros); in the call's order where a table is deterministic, else on
+        CUDA by runs of the routing's order (one atomic add per run and tile of lanes)."""
         distinct = sum(r.send)
         if any(self.local[n].table.deterministic for n in r.names) and r.slot.numel():
             lengths = torch.zeros(distinct, dtype=torch.int64, device=self.device).index_add_(0, r.run, torch.ones_like(r.run))
             return torch.segment_reduce(self._padded(grads, r.width)[r.order], "sum", lengths=lengths, axis=0)
         out = torch.zeros(distinct, r.width, device=self.device)
+        if self.device.type == "cuda":
+            sum_runs(self._padded(grads, r.width), r.order, r.run, out)
+            return out
         for g, slot in zip(grads, r.slot.split(r.sizes)):
             out[:, : g.shape[1]].index_add_(0, slot, g)
         return out
