@@ -251,16 +251,19 @@ COLLECTION = {
 }
 
 
-def _collection_against_tables(rank, world, out, in_order):
+def _collection_against_tables(rank, world, out, sums):
     """A sharded collection (one exchange for all tables) and each table sharded alone,
-    given the same calls: the same rows, the same tables after. in_order False: the
-    collection's tables say they need no fixed order of sums (as fast-mode Triton tables),
-    so that it sums gradient copies by index_add, not by sorted segments."""
+    given the same calls: the same rows, the same tables after. sums: how the collection
+    sums each distinct id's gradient copies: "in order" (deterministic tables, by sorted
+    segments); else its tables say they need no fixed order (as fast-mode Triton tables)
+    and it sums by "index_add" or by "runs" (the run-sum kernel, as on CUDA; here under
+    Triton's interpreter)."""
     from kernels.dynamic_embedding import ShardedDynamicEmbeddingCollection
 
     together = ShardedDynamicEmbeddingCollection(COLLECTION)
+    together.sum_by_runs = sums == "runs"
     for n in COLLECTION:
-        together.local[n].table.deterministic = in_order
+        together.local[n].table.deterministic = sums == "in order"
     alone = {n: ShardedDynamicEmbedding(c) for n, c in COLLECTION.items()}
     g = torch.Generator().manual_seed(7 + rank)
     for step in range(5):
@@ -281,9 +284,9 @@ def _collection_against_tables(rank, world, out, in_order):
     torch.save(rows, f"{out}.rank{rank}.pt")
 
 
-@pytest.mark.parametrize("in_order", [True, False])
-def test_a_sharded_collection_exchanges_all_tables_at_once_with_the_tables_results(tmp_path, in_order):
-    run_distributed(2, _collection_against_tables, str(tmp_path / "rows"), in_order)
+@pytest.mark.parametrize("sums", ["in order", "index_add", "runs"])
+def test_a_sharded_collection_exchanges_all_tables_at_once_with_the_tables_results(tmp_path, sums):
+    run_distributed(2, _collection_against_tables, str(tmp_path / "rows"), sums)
     for rank in range(2):
         for n, (together, alone) in torch.load(tmp_path / f"rows.rank{rank}.pt").items():
             torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6, msg=n)  # sums in another order on GPUs

@@ -54,6 +54,9 @@ class ShardedDynamicEmbeddingCollection:
         first = next(iter(self.tables.values()))
         self.world_size, self.rank, self.group = first.world_size, first.rank, group
         self.device = first.local.device
+        # the gradient copies' sums by the run-sum kernel: on CUDA (tests turn it on under
+        # Triton's interpreter); elsewhere index_add_, in order on a CPU
+        self.sum_by_runs = self.device.type == "cuda"
         self._routed: _Route | None = None
 
     def __getitem__(self, name: str) -> ShardedDynamicEmbedding:
@@ -105,14 +108,15 @@ class ShardedDynamicEmbeddingCollection:
 
     def _sum_copies(self, r: _Route, grads: list[torch.Tensor]) -> torch.Tensor:
         """(distinct ids, width): each distinct id's gradient rows summed (narrower tables'
-        padded with zeros); in the call's order where a table is deterministic, else on
-        CUDA by runs of the routing's order (one atomic add per run and tile of lanes)."""
+        padded with zeros); in the call's order where a table is deterministic, else by
+        runs of the routing's order (sum_by_runs: one atomic add per run and tile of
+        lanes) or by index_add_."""
         distinct = sum(r.send)
         if any(self.local[n].table.deterministic for n in r.names) and r.slot.numel():
             lengths = torch.zeros(distinct, dtype=torch.int64, device=self.device).index_add_(0, r.run, torch.ones_like(r.run))
             return torch.segment_reduce(self._padded(grads, r.width)[r.order], "sum", lengths=lengths, axis=0)
         out = torch.zeros(distinct, r.width, device=self.device)
-        if self.device.type == "cuda":
+        if self.sum_by_runs:
             sum_runs(self._padded(grads, r.width), r.order, r.run, out)
             return out
         for g, slot in zip(grads, r.slot.split(r.sizes)):
