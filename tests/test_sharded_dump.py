@@ -334,3 +334,62 @@ def test_a_sharded_collection_prefetches_the_rows_its_ranks_own(tmp_path):
         for n, (ahead, plain) in rows.items():
             torch.testing.assert_close(ahead, plain, rtol=1e-5, atol=1e-6, msg=n)
         assert sum(moved) > 0
+
+
+def _runs_against_index_add(rank, world, out, device):
+    """On `device` (GPU `rank` over NCCL, or a CPU over gloo with the kernel under Triton's
+    interpreter): the collection's gradient copies summed by the run-sum kernel and by
+    index_add_, from the same state and calls (skewed ids: many copies of a few): each
+    lookup's rows and the rows at the end."""
+    from kernels.dynamic_embedding import ShardedDynamicEmbeddingCollection
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    results = []
+    for by_runs in (True, False):
+        tables = ShardedDynamicEmbeddingCollection(COLLECTION, device)
+        tables.sum_by_runs = by_runs
+        for n in COLLECTION:  # no fixed order of sums asked (as fast-mode Triton tables): not sorted segments
+            tables.local[n].table.deterministic = False
+        g = torch.Generator().manual_seed(rank)
+        looked = []
+        for step in range(4):
+            ids = {n: ALL_IDS[torch.randint(1, 16, (200 + 50 * rank,), generator=g) ** 2 % len(ALL_IDS)].to(device) for n in COLLECTION}
+            rows = tables.lookup(ids)
+            looked.append({n: r.cpu() for n, r in rows.items()})
+            tables.apply_gradients(ids, {n: torch.randn(r.shape, generator=g).to(device) for n, r in rows.items()})
+        results.append((looked, {n: tables[n].lookup(ALL_IDS.to(device), train=False).cpu() for n in COLLECTION}))
+    torch.save(results, f"{out}.rank{rank}.pt")
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL over two GPUs")),
+])
+def test_gradient_sums_by_runs_equal_index_add(tmp_path, device):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    if device == "cpu":
+        run_distributed(2, _runs_against_index_add, str(tmp_path / "rows"), device)
+    else:
+        mp.start_processes(_nccl_worker, args=(2, free_port(), _runs_against_index_add, (str(tmp_path / "rows"), device)),
+                           nprocs=2, join=True, start_method="spawn")
+    for rank in range(2):
+        (looked_runs, end_runs), (looked_add, end_add) = torch.load(tmp_path / f"rows.rank{rank}.pt")
+        for a, b in zip(looked_runs, looked_add):
+            for n in a:
+                torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-5, msg=n)  # float sums in another order
+        for n in end_runs:
+            torch.testing.assert_close(end_runs[n], end_add[n], rtol=1e-5, atol=1e-5, msg=n)
+
+
+def _nccl_worker(rank, world, port, fn, args):
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
