@@ -2,8 +2,8 @@
 order where copies of one id are adjacent (a run), summed per run. Each program takes a
 tile of lanes, sums each run's lanes within the tile by a segmented scan, and adds the
 sum once into the run's output row: one add per run and tile, in place of one atomic add
-per lane (which contends on a power law's hot ids). The PyTorch twin of the same
-signature is in run_sum_reference.py (tests/test_run_sum_kernels.py holds them together).
+per lane (`index_add_`). The PyTorch twin of the same signature is in run_sum_reference.py
+(tests/test_run_sum_kernels.py holds them together).
 """
 import torch
 import triton
