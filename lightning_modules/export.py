@@ -62,6 +62,13 @@ def read_export_info(path: Path) -> dict:
     return info
 
 
+def check_aligned(history, timestamps) -> None:
+    """A request's timestamps (None: none given) name one time per history item, or
+    ValueError says how many each has."""
+    if timestamps is not None and len(timestamps) != len(history):
+        raise ValueError(f"timestamps has {len(timestamps)} entries, history {len(history)}")
+
+
 @dataclass
 class Recommender:
     model: torch.nn.Module
@@ -87,8 +94,7 @@ class Recommender:
         the times of its items (in the training data's unit; None: all 0, which the model's
         time bias reads as no gaps); the history's items excluded unless exclude_history is
         False."""
-        if timestamps is not None and len(timestamps) != len(history):
-            raise ValueError(f"timestamps has {len(timestamps)} entries, history {len(history)}")
+        check_aligned(history, timestamps)
         max_len = self.model.config.max_seq_len
         ids = torch.as_tensor(np.asarray(history, dtype=np.int64)[-max_len:])
         ts = torch.as_tensor(np.asarray(timestamps if timestamps is not None else np.zeros(len(history)), dtype=np.int64)[-max_len:])

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kernels.dynamic_embedding import DumpError
 from kernels.dynamic_embedding.snapshots import Snapshots
+from lightning_modules.export import check_aligned
 from lightning_modules.serving import Query, ServedModel, ServingConfig
 
 ItemId = Annotated[int, Field(ge=-(2**63) + 1, le=2**63 - 1)]  # int64; its minimum marks empty slots
@@ -49,8 +50,7 @@ class HistoryRequest(Strict):
 
     @model_validator(mode="after")
     def _aligned(self):
-        if self.timestamps is not None and len(self.timestamps) != len(self.history):
-            raise ValueError(f"timestamps has {len(self.timestamps)} entries, history {len(self.history)}")
+        check_aligned(self.history, self.timestamps)
         return self
 
     def query(self) -> Query:
