@@ -142,6 +142,9 @@ class EpochCheckpoint(Callback):
         if trainer.is_global_zero:
             os.replace(tmp, final)
             self._prune(keep_step=final.name if final.name.startswith("step=") else None)
+        # no rank goes on before the checkpoint is in place: after the last epoch every rank
+        # loads the best one (train.py), and a rank past a prune could read a removed dump
+        trainer.strategy.barrier()
         self._last_save = time.monotonic()
 
     def _prune(self, keep_step: str | None = None) -> None:

@@ -1,5 +1,6 @@
 """Distributed training through the CLI: 2 processes on gloo, resume, dump to one shard."""
 import json
+import os
 
 import pyarrow.parquet as pq
 import torch
@@ -13,13 +14,28 @@ from pipelines.cli import main as hstu
 
 TINY = "--max-seq-len 16 --batch-size 8 --num-negatives 16"
 
+# Imported by every worker (PYTHONPATH): rank 0 renames each checkpoint into place a second
+# late, as on a slow file system, so that a rank which reads one before it is in place fails.
+SLOW_RENAME = """
+import os, time
+_replace = os.replace
+def _late_replace(src, dst, *args, **kwargs):
+    if os.environ.get("RANK") == "0" and str(dst).endswith(".ckpt"):
+        time.sleep(1)
+    return _replace(src, dst, *args, **kwargs)
+os.replace = _late_replace
+"""
+
 
 def trained_steps(train_dir) -> int:
     return json.loads((train_dir / "model" / "model.json").read_text())["metadata"]["global_step"]
 
 
-def test_two_process_training_resumes_and_dumps_to_one_shard(tmp_path, capfd):
+def test_two_process_training_resumes_and_dumps_to_one_shard(tmp_path, capfd, monkeypatch):
     data, train = tmp_path / "data", tmp_path / "train"
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_RENAME)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path / "slow"), os.environ.get("PYTHONPATH")) if p))
     hstu(["prepare", "--dataset", "synthetic", "--synthetic-users", "40", "--out", str(data)])
     # genres for the synthetic items (item i: i % 3 of them), so that the genre table is
     # sharded, dumped and resumed as well
