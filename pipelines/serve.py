@@ -12,8 +12,8 @@ waits at most max_wait_ms for others) that run on the device as one; the item ro
 requests queued behind a batch are prefetched while it computes. Every response names the
 model version that answered it: a request runs on one version from start to end, and a
 snapshot swap lets the requests in flight finish on the old one, which is then released.
-A bad request (unknown field, wrong type, empty or oversized list, an id outside int64)
-gets a 4xx with a message.
+A bad request (unknown field, wrong type, empty or oversized list, an id or a time outside
+int64, a streamed row with NaN or inf) gets a 4xx with a message.
 """
 import asyncio
 import queue
@@ -37,6 +37,7 @@ from lightning_modules.export import check_aligned
 from lightning_modules.serving import Query, ServedModel, ServingConfig
 
 ItemId = Annotated[int, Field(ge=-(2**63) + 1, le=2**63 - 1)]  # int64; its minimum marks empty slots
+Timestamp = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # int64
 LIMITS = ServingConfig()  # request size limits (the model's own config can narrow them)
 
 
@@ -46,7 +47,7 @@ class Strict(BaseModel):
 
 class HistoryRequest(Strict):
     history: list[ItemId] = Field(min_length=1, max_length=LIMITS.max_history)
-    timestamps: list[int] | None = None
+    timestamps: list[Timestamp] | None = Field(None, max_length=LIMITS.max_history)
 
     @model_validator(mode="after")
     def _aligned(self):

@@ -209,6 +209,10 @@ def test_unknown_ids_get_the_training_tables_initial_row_or_zeros(tmp_path):
         table.lookup(torch.tensor([torch.iinfo(torch.int64).min]))
     with pytest.raises(ValueError, match="rows of shape"):
         table.update(keys[:2], torch.zeros(3, DIM))
+    before = table.lookup(keys[:2]).cpu()
+    with pytest.raises(ValueError, match=f"1 rows hold NaN or inf values, the first under id {int(keys[1])}"):
+        table.update(keys[:2], torch.stack([torch.ones(DIM), torch.full((DIM,), float("inf"))]))
+    assert torch.equal(table.lookup(keys[:2]).cpu(), before)  # nothing of that update was written
     with pytest.raises(ValueError, match="missing="):
         InferenceConfig(EmbeddingConfig(dim=DIM), 64, missing="nan")
 

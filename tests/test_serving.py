@@ -116,6 +116,7 @@ def test_bad_requests_get_a_4xx_with_a_message(exports, tmp_path):
             ("/recommend", {"history": [2**63]}),  # outside int64
             ("/recommend", {"history": [-(2**63)]}),  # the reserved empty key
             ("/recommend", {"history": [1, 2], "timestamps": [5]}),
+            ("/recommend", {"history": [1], "timestamps": [2**63]}),  # a time outside int64
             ("/recommend", {"history": [1], "k": 0}),
             ("/score", {"history": [1]}),  # no candidates
             ("/score", {"history": [1], "candidates": []}),
@@ -148,6 +149,11 @@ def test_streamed_rows_are_seen_by_the_next_request(exports, tmp_path, pipeline_
         assert last in after["items"] and last not in before["items"]
         _, scored = call(url, "/score", {"history": history, "candidates": [last, before["items"][0]]})
         assert scored["scores"][0] == pytest.approx(scored["scores"][1], abs=1e-5)
+        # a row with NaN (it would rank its item first for every request) is refused whole
+        nan_row = [float("nan")] + best_row.tolist()[1:]
+        status, body = call(url, "/admin/update", {"ids": [before["items"][1], last], "rows": [best_row.tolist(), nan_row]})
+        assert status == 422 and "NaN" in body["error"]
+        assert call(url, "/recommend", {"history": history, "k": 3})[1] == after
 
 
 def test_a_snapshot_swap_under_load_fails_no_request_and_mixes_no_versions(exports, tmp_path):

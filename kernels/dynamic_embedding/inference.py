@@ -206,6 +206,9 @@ class InferenceTable:
                 raise ValueError(f"rows of shape {tuple(rows.shape)} for {ids.numel()} ids of dim {self.dim}")
             if ids.numel() == 0:
                 return
+            bad = ~torch.isfinite(rows).all(1)
+            if bad.any():  # a NaN row would rank its item first for every request (topk)
+                raise ValueError(f"{int(bad.sum())} rows hold NaN or inf values, the first under id {int(ids[bad.nonzero()[0, 0]])}")
             self.store.write(ids, rows)
             dev_ids, dev_rows = ids.to(self.device), rows.to(self.device, torch.float32)
             for cache in self._caches():
@@ -224,7 +227,10 @@ class InferenceTable:
         for entry in manifest["shards"]:
             shard = read_shard(path, entry, self.dim)
             lag = time.time() - (path / "manifest.json").stat().st_mtime
-            self.update(shard["keys"], shard["embeddings"], lag_s=lag)
+            try:
+                self.update(shard["keys"], shard["embeddings"], lag_s=lag)
+            except ValueError as e:
+                raise ValueError(f"{path / entry['file']}: {e}") from None
             applied.append(shard["keys"])
         return torch.cat(applied)
 
