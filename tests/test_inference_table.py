@@ -242,6 +242,15 @@ def test_serves_a_trained_dump_and_applies_an_incremental_one(tmp_path):
     assert s.updates == 50 and s.update_lag_s > 0 and s.disk_rows == 500
     assert s.device_bytes > 0 and s.host_bytes > 0 and s.disk_bytes > 0 and s.device_rows <= 128
 
+    # a dump from a run that diverged (a NaN gradient) is refused, naming its file
+    step = trained.step
+    rows = trained.lookup(ids[:2]).requires_grad_(True)
+    trained.apply_gradients(ids[:2], torch.full_like(rows, float("nan")))
+    dump(trained, tmp_path / "diverged", min_score=step)
+    with pytest.raises(ValueError, match=r"diverged/.*\.safetensors: 2 rows hold NaN or inf"):
+        served.apply_dump(tmp_path / "diverged")
+    assert torch.isfinite(served.lookup(ids[:2])).all()
+
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: under the interpreter on CPUs
 def test_statistics_count_each_tier(tmp_path, backend):
