@@ -4,15 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-# One intra-op thread pool per test process sized to its share of the cores (pytest-xdist
-# runs TEST_WORKERS processes, and the tests start training subprocesses beside them):
-# oversubscribed OpenMP pools spin against each other and slow every test several-fold.
-# Subprocesses inherit the setting; a value set by the caller is kept.
-TEST_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // TEST_PROCESSES)))
-
-import torch  # noqa: E402  (after the thread count above, which torch reads at import)
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
