@@ -95,6 +95,8 @@ class Recommender:
         time bias reads as no gaps); the history's items excluded unless exclude_history is
         False."""
         check_aligned(history, timestamps)
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
         max_len = self.model.config.max_seq_len
         ids = torch.as_tensor(np.asarray(history, dtype=np.int64)[-max_len:])
         ts = torch.as_tensor(np.asarray(timestamps if timestamps is not None else np.zeros(len(history)), dtype=np.int64)[-max_len:])

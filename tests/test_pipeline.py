@@ -102,6 +102,8 @@ def test_export_loader_returns_topk_for_a_history(pipeline_run, capsys):
     assert rec.recommend(history, times, k=4) != rec.recommend(history, k=4)
     with pytest.raises(ValueError, match="timestamps has 2 entries, history 5"):
         rec.recommend(history, times[:2])
+    with pytest.raises(ValueError, match="k must be at least 1, got 0"):
+        rec.recommend(history, k=0)
     with pytest.raises(SystemExit) as e:
         hstu(["recommend", "--export", str(pipeline_run / "export"), "--history", "1,2", "--timestamps", "5"])
     assert e.value.code == 1 and "hstu: error: timestamps has 1 entries, history 2" in capsys.readouterr().err
