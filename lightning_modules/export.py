@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.dynamic_embedding import DumpError
 from kernels.dynamic_embedding.dump import read_format_json
-from kernels.files import file_digest, write_json_atomic
+from kernels.files import commit_directory, file_digest, write_json_atomic
 
 from . import model_files
 from .data import Sequences
@@ -47,9 +47,7 @@ def export(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, mod
             "metrics": metrics or {},
         },
     )
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    commit_directory(tmp, out)
     return out
 
 

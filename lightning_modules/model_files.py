@@ -12,7 +12,6 @@ the catalog its item indices refer to, `items.safetensors`, under format "sasrec
 The directory is built under a hidden temporary name and renamed into place, so it exists
 complete or not at all; loading checks every checksum. No pickle.
 """
-import os
 import shutil
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.dynamic_embedding import DumpError, read_manifest
 from kernels.dynamic_embedding.dump import barrier, read_format_json
-from kernels.files import file_digest, write_json_atomic
+from kernels.files import commit_directory, file_digest, write_json_atomic
 
 from .config import HSTUConfig
 from .hstu import HSTU
@@ -59,9 +58,7 @@ def save(path: str | Path, model: HSTU, items: ItemEmbedding, metadata: dict | N
             save_file({k: v.cpu().contiguous() for k, v in items.features.as_tensors().items()}, tmp / FEATURES_FILE)
             info["item_features_sha256"] = file_digest(tmp / FEATURES_FILE)
         write_json_atomic(tmp / "model.json", info)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        commit_directory(tmp, path)
     barrier(world, group)
     return path
 
@@ -114,9 +111,7 @@ def save_sasrec(path: str | Path, model: SASRec, catalog: torch.Tensor, metadata
         "format": SASREC_FORMAT, "version": VERSION, "config": model.config.to_dict(),
         "dense_sha256": file_digest(dense), "items_sha256": file_digest(items), "metadata": metadata or {},
     })
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    commit_directory(tmp, path)
     return path
 
 

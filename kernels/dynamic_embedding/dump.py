@@ -26,7 +26,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..files import file_digest, fsync_path, write_json_atomic
+from ..files import commit_directory, file_digest, fsync_path, write_json_atomic
 from .embedding import EmbeddingConfig
 from .sharded import ShardedDynamicEmbedding
 from .hashing import shard_of
@@ -115,18 +115,9 @@ def _commit(
         "shards": shards,
     }
     write_json_atomic(directory / MANIFEST, manifest)
-    fsync_path(directory)
-    if path.exists():
-        if not replace:
-            raise DumpError(f"{path}: already exists")
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(directory, path)
-        shutil.rmtree(old)
-    else:
-        os.replace(directory, path)
-    fsync_path(path.parent)
+    if path.exists() and not replace:
+        raise DumpError(f"{path}: already exists")
+    commit_directory(directory, path)
 
 
 def read_format_json(path: Path, fmt: str, version: int, missing: str) -> dict:
