@@ -16,6 +16,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+from kernels.files import fsync_path
+
 from .evaluate import catalog_of, evaluate_rankers, whole_histories
 
 CHECKPOINT_PATTERNS = ("epoch=*.ckpt", "step=*.ckpt")  # each epoch's; the newest within an epoch
@@ -140,6 +142,7 @@ class EpochCheckpoint(Callback):
         tmp = final.with_name(f".{final.name}.partial")
         trainer.save_checkpoint(tmp, weights_only=False)  # every rank: the module dumps its table shard
         if trainer.is_global_zero:
+            fsync_path(tmp)  # on disk before its name says it is complete
             os.replace(tmp, final)
             self._prune(keep_step=final.name if final.name.startswith("step=") else None)
         # no rank goes on before the checkpoint is in place: after the last epoch every rank
