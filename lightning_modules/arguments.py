@@ -67,6 +67,3 @@ def int64_values(what: str):
 
 item_ids = int64_values("item id")  # a history: at least one id, as the server's requests need
 timestamps = int64_values("timestamp")
-
-
-item_ids.__name__ = "item ids"
