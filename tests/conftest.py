@@ -49,17 +49,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank, world, port, fn, args, backend):
+    device = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}  # NCCL: rank r on GPU r
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **device)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_distributed(world: int, fn, *args) -> None:
-    """Runs fn(rank, world, *args) in `world` gloo processes; fails if any process fails."""
-    mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+def run_distributed(world: int, fn, *args, backend: str = "gloo") -> None:
+    """Runs fn(rank, world, *args) in `world` processes of a process group (gloo, or NCCL
+    with a GPU each); fails if any process fails."""
+    mp.start_processes(_worker, args=(world, free_port(), fn, args, backend), nprocs=world, join=True, start_method="spawn")
 
 
 @pytest.fixture(scope="session")

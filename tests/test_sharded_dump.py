@@ -366,15 +366,7 @@ def _runs_against_index_add(rank, world, out, device):
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL over two GPUs")),
 ])
 def test_gradient_sums_by_runs_equal_index_add(tmp_path, device):
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-
-    if device == "cpu":
-        run_distributed(2, _runs_against_index_add, str(tmp_path / "rows"), device)
-    else:
-        mp.start_processes(_nccl_worker, args=(2, free_port(), _runs_against_index_add, (str(tmp_path / "rows"), device)),
-                           nprocs=2, join=True, start_method="spawn")
+    run_distributed(2, _runs_against_index_add, str(tmp_path / "rows"), device, backend="nccl" if device == "cuda" else "gloo")
     for rank in range(2):
         (looked_runs, end_runs), (looked_add, end_add) = torch.load(tmp_path / f"rows.rank{rank}.pt")
         for a, b in zip(looked_runs, looked_add):
@@ -382,14 +374,3 @@ def test_gradient_sums_by_runs_equal_index_add(tmp_path, device):
                 torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-5, msg=n)  # float sums in another order
         for n in end_runs:
             torch.testing.assert_close(end_runs[n], end_add[n], rtol=1e-5, atol=1e-5, msg=n)
-
-
-def _nccl_worker(rank, world, port, fn, args):
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
