@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,7 +113,8 @@ def profiled(on: bool, device: str, label: str, trace_dir: str | None = None):
         yield
         return
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as profiler:
+    # with a trace, the Python frames too: what the host ran while the GPU waited
+    with torch.profiler.profile(activities=activities, with_stack=bool(trace_dir)) as profiler:
         yield
     for sort in ("self_cpu_time_total", "self_device_time_total"):
         print(f"{label}, rank 0's plain pass by {sort}:\n" + profiler.key_averages().table(sort_by=sort, row_limit=25), flush=True)
@@ -159,19 +161,29 @@ def embedding_worker(args, device: str, timer: CommTimer) -> dict:
     for i in range(args.warmup):
         step(batches[i])
     seconds = []
+    # the plain pass's steps on the GPU's clock (an event between steps, read after the
+    # pass: no wait inside it); their median is steadier than the mean, which one stalled
+    # step moves
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if device == "cuda" else []
     for instrumented in (False, True):
         timer.on, timer.seconds = instrumented, 0.0
         with profiled(args.profile and not instrumented and rank == 0, device, f"embedding, {world} processes", args.trace):
             sync(device)
             start = time.perf_counter()
             for i in range(args.steps):
+                if marks and not instrumented:
+                    marks[i].record()
                 step(batches[args.warmup + instrumented * args.steps + i])
+            if marks and not instrumented:
+                marks[-1].record()
             sync(device)
             seconds.append(time.perf_counter() - start)
     timer.on = False
+    steps_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
     return {
         "workload": "embedding", "tables": TABLES, "dim": DIM, "ids_per_gpu": args.ids, "rows_per_gpu": args.rows,
         "ms_per_step": 1000 * seconds[0] / args.steps, "samples_per_s_per_gpu": args.ids * args.steps / seconds[0],
+        "median_ms_per_step": statistics.median(steps_ms) if steps_ms else None,
         **comm(timer, seconds[1], args.steps, world),
     }
 
@@ -369,8 +381,9 @@ def table_line(row: dict) -> str:
         return f"{head}  {row['error']}"
     efficiency = f"{row['efficiency']:>12.1%}" if row["efficiency"] is not None else f"{'-':>12}"  # no 1-GPU run to divide by
     in_graph = " (dense all-reduce in the step graph, not counted)" if row.get("dense_all_reduce_in_graph") else ""
+    median = f" (median step {row['median_ms_per_step']:.2f} ms)" if row.get("median_ms_per_step") else ""
     return (f"{head}{row['ms_per_step']:>10.2f}{row['samples_per_s_per_gpu']:>16,.0f}{efficiency}"
-            f"{row['comm_ms_per_step']:>10.2f}{row['comm_share']:>12.1%}{in_graph}")
+            f"{row['comm_ms_per_step']:>10.2f}{row['comm_share']:>12.1%}{in_graph}{median}")
 
 
 def main(argv=None) -> None:

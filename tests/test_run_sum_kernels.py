@@ -22,16 +22,16 @@ def runs(lengths: list[int], dim: int, stride: int, seed: int):
     return rows, order, run, out
 
 
-@pytest.mark.parametrize("lengths, dim, stride", [
-    ([1] * 40, 16, 16),  # every lane its own run
-    ([3, 1, 2 * RUN_TILE + 5, 1, 7, RUN_TILE, 1], 16, 20),  # runs across tiles, a tile's whole run
-    ([1, 2, 5, 1, 1, 3 * RUN_TILE + 1], 50, 64),  # a width past a power of two, a hot run at the end
-    ([RUN_TILE - 1, 2], 128, 128),
-    ([], 8, 8),
+@pytest.mark.parametrize("lengths, dim, stride, scale", [
+    ([1] * 40, 16, 16, 1.0),  # every lane its own run
+    ([3, 1, 2 * RUN_TILE + 5, 1, 7, RUN_TILE, 1], 16, 20, 0.5),  # runs across tiles, a tile's whole run
+    ([1, 2, 5, 1, 1, 3 * RUN_TILE + 1], 50, 64, 1 / 3),  # a width past a power of two, a hot run at the end
+    ([RUN_TILE - 1, 2], 128, 128, 1.0),
+    ([], 8, 8, 1.0),
 ])
-def test_sum_runs_matches_the_twin(lengths, dim, stride):
+def test_sum_runs_matches_the_twin(lengths, dim, stride, scale):
     rows, order, run, out = runs(lengths, dim, stride, seed=len(lengths))
     want = out.cpu().clone()  # (on a CPU .cpu() is the same tensor)
-    sum_runs_reference(rows.cpu(), order.cpu(), run.cpu(), want)
-    sum_runs(rows, order, run, out)
+    sum_runs_reference(rows.cpu(), order.cpu(), run.cpu(), want, scale)
+    sum_runs(rows, order, run, out, scale)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """Sharded tables over gloo, and dumps: re-sharding, incremental, refusal of bad dumps."""
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -251,26 +252,35 @@ COLLECTION = {
 }
 
 
-def _collection_against_tables(rank, world, out, sums):
+def _collision_codes(keys, tids, world, tables, shift):
+    """Route codes without the hash bits: every id of an (owner, table) shares one code."""
+    return (shard_of(keys, world) * tables + tids.to(torch.int64)) << shift
+
+
+def _collection_against_tables(rank, world, out, sums, names, codes):
     """A sharded collection (one exchange for all tables) and each table sharded alone,
     given the same calls: the same rows, the same tables after. sums: how the collection
     sums each distinct id's gradient copies: "in order" (deterministic tables, by sorted
     segments); else its tables say they need no fixed order (as fast-mode Triton tables)
     and it sums by "index_add" or by "runs" (the run-sum kernel, as on CUDA; here under
-    Triton's interpreter)."""
-    from kernels.dynamic_embedding import ShardedDynamicEmbeddingCollection
+    Triton's interpreter). codes: the route codes by "twin", by the "kernel" (under the
+    interpreter), or "colliding" (ids of a bin interleave: some are sent twice)."""
+    from kernels.dynamic_embedding import ShardedDynamicEmbeddingCollection, sharded_collection
 
-    together = ShardedDynamicEmbeddingCollection(COLLECTION)
+    if codes == "colliding":
+        sharded_collection.route_codes_reference = _collision_codes
+    together = ShardedDynamicEmbeddingCollection({n: COLLECTION[n] for n in names})
     together.sum_by_runs = sums == "runs"
-    for n in COLLECTION:
+    together.backend = "triton" if codes == "kernel" else "reference"
+    for n in names:
         together.local[n].table.deterministic = sums == "in order"
-    alone = {n: ShardedDynamicEmbedding(c) for n, c in COLLECTION.items()}
+    alone = {n: ShardedDynamicEmbedding(COLLECTION[n]) for n in names}
     g = torch.Generator().manual_seed(7 + rank)
     for step in range(5):
         # sizes differ between the ranks; feature b is empty on both ranks at step 1, and on
         # one rank alone at steps 2 (rank 0) and 3 (rank 1)
         sizes = {"a": 40 + 9 * rank, "b": 0 if step == 1 or step == 2 + rank else 25 - 4 * rank, "c": 30 + step}
-        ids = {n: ALL_IDS[torch.randint(len(ALL_IDS), (k,), generator=g)] for n, k in sizes.items()}
+        ids = {n: ALL_IDS[torch.randint(len(ALL_IDS), (sizes[n],), generator=g)] for n in names}
         got = together.lookup(ids)
         for n, x in ids.items():
             torch.testing.assert_close(got[n], alone[n].lookup(x), rtol=0, atol=0)
@@ -280,15 +290,29 @@ def _collection_against_tables(rank, world, out, sums):
         together.apply_gradients(ids, grads)
         for n, x in ids.items():
             alone[n].apply_gradients(x, grads[n])
-    rows = {n: (together[n].lookup(ALL_IDS, train=False), alone[n].lookup(ALL_IDS, train=False)) for n in COLLECTION}
+    rows = {n: (together[n].lookup(ALL_IDS, train=False), alone[n].lookup(ALL_IDS, train=False)) for n in names}
     torch.save(rows, f"{out}.rank{rank}.pt")
 
 
-@pytest.mark.parametrize("sums", ["in order", "index_add", "runs"])
-def test_a_sharded_collection_exchanges_all_tables_at_once_with_the_tables_results(tmp_path, sums):
-    run_distributed(2, _collection_against_tables, str(tmp_path / "rows"), sums)
+# Triton kernels given CPU tensors run only under the interpreter, which conftest turns on
+# where there is no GPU
+ON_CPU_TRITON = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors: the interpreter is off")
+
+
+@pytest.mark.parametrize("sums, names, codes", [
+    ("in order", "abc", "twin"),
+    ("index_add", "abc", "twin"),
+    pytest.param("runs", "abc", "kernel", marks=ON_CPU_TRITON),  # the kernels CUDA runs
+    ("index_add", "a", "twin"),  # one table: received ids need no reordering
+    ("in order", "abc", "colliding"),
+    ("index_add", "b", "colliding"),
+])
+def test_a_sharded_collection_exchanges_all_tables_at_once_with_the_tables_results(tmp_path, sums, names, codes):
+    run_distributed(2, _collection_against_tables, str(tmp_path / "rows"), sums, list(names), codes)
     for rank in range(2):
-        for n, (together, alone) in torch.load(tmp_path / f"rows.rank{rank}.pt").items():
+        rows = torch.load(tmp_path / f"rows.rank{rank}.pt")
+        assert sorted(rows) == sorted(names)
+        for n, (together, alone) in rows.items():
             torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6, msg=n)  # sums in another order on GPUs
 
 
@@ -363,7 +387,8 @@ def _runs_against_index_add(rank, world, out, device):
 
 
 @pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL over two GPUs")),
+    pytest.param("cpu", marks=ON_CPU_TRITON),
+    pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL over two GPUs")),
 ])
 def test_gradient_sums_by_runs_equal_index_add(tmp_path, device):
     run_distributed(2, _runs_against_index_add, str(tmp_path / "rows"), device, backend="nccl" if device == "cuda" else "gloo")

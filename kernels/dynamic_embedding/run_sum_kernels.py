@@ -22,10 +22,12 @@ def _add_unless_new_run(a, a_start, b, b_start):
 
 
 @triton.jit(do_not_specialize=["n"])
-def _sum_runs_kernel(rows_ptr, row_stride, order_ptr, run_ptr, n, out_ptr, out_stride, dim, TILE: tl.constexpr, DIM: tl.constexpr):
+def _sum_runs_kernel(
+    rows_ptr, row_stride, order_ptr, run_ptr, n, out_ptr, out_stride, dim, scale, TILE: tl.constexpr, DIM: tl.constexpr,
+):
     """Lanes tile * TILE ..: lane p's row is rows[order[p]]; run[p], nondecreasing in p,
     is its output row. The last lane of each run in the tile adds the run's sum within
-    the tile to that row (an atomic add: a run may span tiles)."""
+    the tile, times scale, to that row (an atomic add: a run may span tiles)."""
     p = tl.program_id(0) * TILE + tl.arange(0, TILE)
     live = p < n
     run = tl.load(run_ptr + p, mask=live, other=-1)
@@ -38,18 +40,18 @@ def _sum_runs_kernel(rows_ptr, row_stride, order_ptr, run_ptr, n, out_ptr, out_s
     flags = (starts[:, None] & (cols[None, :] >= 0)).to(tl.int32)
     sums, _ = tl.associative_scan((g, flags), 0, _add_unless_new_run)
     out = out_ptr + tl.maximum(run, 0)[:, None].to(tl.int64) * out_stride + cols[None, :]
-    tl.atomic_add(out, sums, mask=ends[:, None] & (cols[None, :] < dim), sem="relaxed")
+    tl.atomic_add(out, sums * scale, mask=ends[:, None] & (cols[None, :] < dim), sem="relaxed")
 
 
-def sum_runs(rows: torch.Tensor, order: torch.Tensor, run: torch.Tensor, out: torch.Tensor) -> None:
-    """out[run[p]] += rows[order[p]] for every lane p, where run (N,) is nondecreasing
-    (each run's lanes adjacent) and order (N,) names each lane's row of rows (M, dim);
-    rows and out float32 with unit column stride."""
+def sum_runs(rows: torch.Tensor, order: torch.Tensor, run: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+    """out[run[p]] += scale · rows[order[p]] for every lane p (each run's sum scaled once),
+    where run (N,) is nondecreasing (each run's lanes adjacent) and order (N,) names each
+    lane's row of rows (M, dim); rows and out float32 with unit column stride."""
     n = run.numel()
     if n == 0:
         return
     dim = rows.shape[1]
     launch(
-        _sum_runs_kernel, (triton.cdiv(n, RUN_TILE),), rows, rows.stride(0), order, run, n, out, out.stride(0), dim,
+        _sum_runs_kernel, (triton.cdiv(n, RUN_TILE),), rows, rows.stride(0), order, run, n, out, out.stride(0), dim, float(scale),
         TILE=RUN_TILE, DIM=next_power_of_2(dim), num_warps=RUN_WARPS,
     )

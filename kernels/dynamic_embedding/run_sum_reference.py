@@ -2,7 +2,12 @@
 import torch
 
 
-def sum_runs_reference(rows: torch.Tensor, order: torch.Tensor, run: torch.Tensor, out: torch.Tensor) -> None:
-    """out[run[p]] += rows[order[p]] for every lane p (adds one lane at a time, in lane order)."""
+def sum_runs_reference(rows: torch.Tensor, order: torch.Tensor, run: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+    """out[run[p]] += scale · (the sum of run p's rows rows[order[p]]) for every run (sums one
+    lane at a time, in lane order)."""
+    sums = {}
     for p in range(run.numel()):
-        out[run[p]] += rows[order[p]]
+        r = int(run[p])
+        sums[r] = sums[r] + rows[order[p]] if r in sums else rows[order[p]].clone()
+    for r, total in sums.items():
+        out[r] += scale * total

@@ -13,7 +13,7 @@ as ShardedDynamicEmbedding does) in one exchange for all tables: one all-to-all 
 (the call's one host wait), one of ids, one of rows back (rows of narrower tables padded
 to the widest), and for the update one of gradients (each distinct id's copies summed
 before they travel; means over ranks), the update reusing its lookup's routing for the
-same ids. The owners serve what they receive as one call of their collection.
+same ids. The distinct ids come from one sort of route codes (route_kernels.py). The owners serve what they receive as one call of their collection.
 `tables[name]` is each table's own sharded view (dump, load, stats). Every rank makes the
 same calls with the same tables.
 """
@@ -25,8 +25,11 @@ import torch.distributed as dist
 from .collection import DynamicEmbeddingCollection
 from .embedding import EmbeddingConfig, TableStats
 from .sharded import ShardedDynamicEmbedding
-from .hashing import shard_of
+from ..backend import use_triton
+from .route_kernels import route_codes
+from .route_reference import route_codes_reference
 from .run_sum_kernels import sum_runs
+from .table_group import lane_tables, to_device_nowait
 
 
 @dataclass
@@ -38,11 +41,11 @@ class _Route:
     versions: tuple
     sizes: list[int]  # per table: ids in the call
     slot: torch.Tensor  # (Σ sizes,) each id's place among the distinct ids sent
-    order: torch.Tensor  # the call's ids sorted by (owner, table, key): their places in the call
+    order: torch.Tensor  # the call's ids sorted by (owner, table, route code): their places in the call
     run: torch.Tensor  # slot of each id in that sorted order (runs of equal ids)
     send: list[int]  # per rank: distinct ids sent
     recv: list[int]  # per rank: ids received
-    perm: torch.Tensor  # the received ids sorted by table (stable)
+    perm: torch.Tensor | None  # the received ids in table order (by source rank within a table); None: one table
     recv_ids: dict  # per table: the ids this rank serves
     width: int  # the widest table's dim (rows travel padded to it)
 
@@ -57,7 +60,9 @@ class ShardedDynamicEmbeddingCollection:
         # the gradient copies' sums by the run-sum kernel: on CUDA (tests turn it on under
         # Triton's interpreter); elsewhere index_add_, in order on a CPU
         self.sum_by_runs = self.device.type == "cuda"
+        self.backend = "auto"  # the route codes' kernel: Triton on CUDA, its twin elsewhere
         self._routed: _Route | None = None
+        self._lanes: tuple | None = None  # (sizes, each lane's table) of the last call
 
     def __getitem__(self, name: str) -> ShardedDynamicEmbedding:
         return self.tables[name]
@@ -73,12 +78,14 @@ class ShardedDynamicEmbeddingCollection:
         r = self._route(ids)
         self._routed = r
         served = self.local.lookup(r.recv_ids, train)
-        packed = torch.empty(r.perm.numel(), r.width, device=self.device)
-        packed[r.perm] = self._padded([served[n] for n in r.names], r.width)
+        if r.perm is None:
+            packed = served[r.names[0]]
+        else:
+            packed = torch.empty(r.perm.numel(), r.width, device=self.device)
+            packed[r.perm] = self._padded([served[n] for n in r.names], r.width)
         back = self._exchange(packed, r.recv, r.send)  # the distinct ids' rows, in the order sent
-        return {
-            n: back[slot][:, : self.tables[n].dim] for n, slot in zip(r.names, r.slot.split(r.sizes))
-        }
+        rows = back[r.slot].split(r.sizes)
+        return {n: part[:, : self.tables[n].dim] for n, part in zip(r.names, rows)}
 
     def apply_gradients(self, ids: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
         """One optimizer step per table in ids, with the mean of the ranks' gradients."""
@@ -90,8 +97,10 @@ class ShardedDynamicEmbeddingCollection:
         r, self._routed = self._routed, None
         if r is None or not self._same(r, ids):
             r = self._route(ids)
-        sent = self._sum_copies(r, [grads[n].to(self.device, torch.float32) for n in r.names]) / self.world_size
-        received = self._exchange(sent, r.send, r.recv)[r.perm]
+        sent = self._sum_copies(r, [grads[n].to(self.device, torch.float32) for n in r.names])
+        received = self._exchange(sent, r.send, r.recv)
+        if r.perm is not None:
+            received = received[r.perm]
         self.local.apply_gradients(r.recv_ids, {
             n: part[:, : self.tables[n].dim] for n, part in zip(r.names, received.split([x.numel() for x in r.recv_ids.values()]))
         })
@@ -108,19 +117,19 @@ class ShardedDynamicEmbeddingCollection:
 
     def _sum_copies(self, r: _Route, grads: list[torch.Tensor]) -> torch.Tensor:
         """(distinct ids, width): each distinct id's gradient rows summed (narrower tables'
-        padded with zeros); in the call's order where a table is deterministic, else by
-        runs of the routing's order (sum_by_runs: one atomic add per run and tile of
-        lanes) or by index_add_."""
+        padded with zeros) and divided by the ranks (the update takes their mean); in the
+        call's order where a table is deterministic, else by runs of the routing's order
+        (sum_by_runs: one atomic add per run and tile of lanes) or by index_add_."""
         distinct = sum(r.send)
         if any(self.local[n].table.deterministic for n in r.names) and r.slot.numel():
             lengths = torch.zeros(distinct, dtype=torch.int64, device=self.device).index_add_(0, r.run, torch.ones_like(r.run))
-            return torch.segment_reduce(self._padded(grads, r.width)[r.order], "sum", lengths=lengths, axis=0)
+            return torch.segment_reduce(self._padded(grads, r.width)[r.order], "sum", lengths=lengths, axis=0) / self.world_size
         out = torch.zeros(distinct, r.width, device=self.device)
         if self.sum_by_runs:
-            sum_runs(self._padded(grads, r.width), r.order, r.run, out)
+            sum_runs(self._padded(grads, r.width), r.order, r.run, out, 1 / self.world_size)
             return out
         for g, slot in zip(grads, r.slot.split(r.sizes)):
-            out[:, : g.shape[1]].index_add_(0, slot, g)
+            out[:, : g.shape[1]].index_add_(0, slot, g, alpha=1 / self.world_size)
         return out
 
     # ---- routing --------------------------------------------------------------------------
@@ -129,40 +138,66 @@ class ShardedDynamicEmbeddingCollection:
         return list(ids) == r.names and all(a is b and a._version == v for a, b, v in zip(ids.values(), r.ids, r.versions))
 
     def _route(self, ids: dict[str, torch.Tensor]) -> _Route:
-        """Each table's distinct ids to their owners. One host wait: the counts of the
-        exchange (sorts, not torch.unique, find the distinct ids, so that nothing else
-        reads a size back)."""
+        """Each table's distinct ids to their owners. One sort of the lanes' route codes
+        (owner, table, then the id's hash: route_kernels.py) finds the distinct ids of each
+        (owner, table); one host wait: the counts of the exchange."""
         names, world, T, dev = list(ids), self.world_size, len(ids), self.device
         sizes = [ids[n].numel() for n in names]
-        keys = torch.cat([ids[n].to(dev) for n in names])
-        tids = torch.cat([torch.full((k,), t, dtype=torch.int64, device=dev) for t, k in enumerate(sizes)])
-        bins = shard_of(keys, world) * T + tids  # (owner, table)
-        by_key = torch.argsort(keys, stable=True)
-        order = by_key[torch.argsort(bins[by_key], stable=True)]  # by (owner, table, key)
-        skeys, sbins = keys[order], bins[order]
+        keys = torch.cat([ids[n].to(dev).reshape(-1) for n in names]) if T > 1 else ids[names[0]].to(dev).reshape(-1)
+        shift = 63 - max(1, (world * T - 1).bit_length())  # the bins' bits above it
+        codes = (route_codes if use_triton(self.backend, self.device, "routing") else route_codes_reference)(
+            keys, self._lane_tables(tuple(sizes)), world, T, shift,
+        )
+        scodes, order = torch.sort(codes, stable=True)
+        skeys = keys[order]
+        # copies of an id share a code; ids whose codes collide may interleave, so a key
+        # that differs from the one before also begins a distinct id (then sent twice,
+        # which its owner serves and sums as one)
         first = torch.ones_like(skeys, dtype=torch.bool)
-        first[1:] = (skeys[1:] != skeys[:-1]) | (sbins[1:] != sbins[:-1])
+        first[1:] = (scodes[1:] != scodes[:-1]) | (skeys[1:] != skeys[:-1])
         run = torch.cumsum(first, 0) - 1  # each sorted id's place among the distinct ids
         slot = torch.empty_like(run)
         slot[order] = run
         distinct_keys = torch.empty_like(skeys)
         distinct_keys[run] = skeys  # copies write the same key
-        # distinct ids per (owner, table): sbins is sorted, so each bin is one span of it; the
-        # distinct ids before a span's start, by a running count (no atomics on a few bins)
+        # distinct ids per (owner, table): the bins are sorted, so each is one span of the
+        # lanes; the distinct ids before a span's start, by a running count
         before = torch.cat([run.new_zeros(1), run + 1])
-        spans = torch.searchsorted(sbins, torch.arange(world * T + 1, device=dev))
+        spans = torch.searchsorted(scodes >> shift, torch.arange(world * T + 1, device=dev))
         send_counts = before[spans].diff()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         counts = torch.stack([send_counts, recv_counts]).view(2, world, T).cpu()  # the call's one host wait
         send, recv = counts[0].sum(1).tolist(), counts[1].sum(1).tolist()
         received = self._exchange(distinct_keys[: sum(send)], send, recv)  # per source rank, per table
-        recv_tids = torch.repeat_interleave(torch.arange(T, device=dev).repeat(world), recv_counts, output_size=sum(recv))
-        perm = torch.argsort(recv_tids, stable=True)
-        by_table = dict(zip(names, received[perm].split(counts[1].sum(0).tolist())))
+        if T == 1:
+            perm, by_table = None, {names[0]: received}
+        else:
+            perm = self._table_order(counts[1])
+            by_table = dict(zip(names, received[perm].split(counts[1].sum(0).tolist())))
         width = max(self.tables[n].dim for n in names)
         return _Route(names, tuple(ids.values()), tuple(x._version for x in ids.values()), sizes, slot, order, run,
                       send, recv, perm, by_table, width)
+
+    def _lane_tables(self, sizes: tuple) -> torch.Tensor:
+        """Each lane's table for these per-table sizes (the last call's again if the same)."""
+        if self._lanes is None or self._lanes[0] != sizes:
+            self._lanes = (sizes, lane_tables(sizes, self.device)[0])
+        return self._lanes[1]
+
+    def _table_order(self, recv_counts: torch.Tensor) -> torch.Tensor:
+        """The received ids' places, in table order: received from each source rank by
+        table, recv_counts (world, T) on the host; out, each table's ids by source rank. Per
+        (table, source) block, a place is its place in out plus the block's offset between
+        the two orders, repeated over the block on the device (no wait, no sort)."""
+        world, T = recv_counts.shape
+        received_start = (recv_counts.reshape(-1).cumsum(0) - recv_counts.reshape(-1)).view(world, T)
+        by_table = recv_counts.t().reshape(-1)  # block sizes in out's order
+        out_start = by_table.cumsum(0) - by_table
+        shift = received_start.t().reshape(-1) - out_start
+        total = int(by_table.sum())
+        moves = to_device_nowait(torch.stack([shift, by_table]).tolist(), torch.int64, self.device)
+        return torch.arange(total, device=self.device) + torch.repeat_interleave(moves[0], moves[1], output_size=total)
 
     def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
@@ -171,6 +206,8 @@ class ShardedDynamicEmbeddingCollection:
 
     def _padded(self, parts: list[torch.Tensor], width: int) -> torch.Tensor:
         """Rows of several tables stacked, each padded with zeros to `width` columns."""
+        if len(parts) == 1 and parts[0].shape[1] == width and parts[0].stride(1) == 1:
+            return parts[0]
         if all(p.shape[1] == width for p in parts):
             return torch.cat(parts)
         out = torch.zeros(sum(p.shape[0] for p in parts), width, device=self.device)

@@ -63,11 +63,26 @@ def fusable(emb: DynamicEmbedding) -> bool:
     return isinstance(t, TritonHashTable) and not t.deterministic and t.dtype == torch.float32
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device_nowait(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without waiting for the GPU: a non-blocking copy
     from pageable memory, which the driver stages before the call returns (pinning a
     buffer first would cost more than the copy)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def lane_tables(sizes: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For lanes of T tables laid end to end, sizes[t] lanes of table t: the (N,) int32
+    table of each lane, and where each table's lanes begin ((T + 1,) int64, the last one
+    past the end); nothing waits for the GPU."""
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    if len(sizes) == 1:  # one table: every lane is table 0's
+        tids = torch.zeros(bounds[-1], dtype=torch.int32, device=device)
+    else:  # repeated on the device from counts copied without waiting (sizes vary per call)
+        tables = torch.arange(len(sizes), dtype=torch.int32, device=device)
+        tids = torch.repeat_interleave(tables, to_device_nowait(list(sizes), torch.int64, device), output_size=bounds[-1])
+    return tids, to_device_nowait(bounds, torch.int64, device)
 
 
 @dataclass
@@ -131,18 +146,18 @@ class TableGroup:
         self.device = first.table.keys.device
         self.dim = first.dim
         self.bucket_size, self.optimizer = first.config.bucket_size, first.config.optimizer
-        self._seeds = _to_device([m._init[0] for m in members], torch.int64, self.device)
-        self._scales = _to_device([m._init[1] for m in members], torch.float64, self.device)
-        self._inserting = _to_device([not m.config.read_only for m in members], torch.int64, self.device)
+        self._seeds = to_device_nowait([m._init[0] for m in members], torch.int64, self.device)
+        self._scales = to_device_nowait([m._init[1] for m in members], torch.float64, self.device)
+        self._inserting = to_device_nowait([not m.config.read_only for m in members], torch.int64, self.device)
         self._policies = [m.config.eviction for m in members]
         self.per_key_scores = any(p not in TABLE_SCORED for p in self._policies)
         self.counting = any(p in ("lfu", "epoch_lfu") for p in self._policies)  # scores from stored uses
         self.admitting = any(m.counters is not None for m in members)
-        self._admits = _to_device([m.counters is not None for m in members], torch.int8, self.device)
-        self._thresholds = _to_device([m.config.admission_threshold for m in members], torch.int64, self.device)
+        self._admits = to_device_nowait([m.counters is not None for m in members], torch.int8, self.device)
+        self._thresholds = to_device_nowait([m.config.admission_threshold for m in members], torch.int64, self.device)
         # how each member scores ids in the claim (a read-only member: its step score, never)
         codes = [STEP_SCORED if m.config.read_only else POLICY_CODES.get(p, STEP_SCORED) for m, p in zip(members, self._policies)]
-        self._score_codes = _to_device(codes, torch.int64, self.device)
+        self._score_codes = to_device_nowait(codes, torch.int64, self.device)
         # the members' one code where they share it: _key_scores then takes it alone, with
         # no per-lane choice among the codes and no copy of per-member scores to the device
         self._uniform_code = codes[0] if len(set(codes)) == 1 else None
@@ -179,17 +194,7 @@ class TableGroup:
     def _lanes(self, sizes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """For these per-table counts: the table of each lane, and where each table's lanes
         begin (T + 1 values, the last one past the end)."""
-        def make():
-            bounds = [0]
-            for n in sizes:
-                bounds.append(bounds[-1] + n)
-            if len(sizes) == 1:  # one member: every lane is table 0's
-                tids = torch.zeros(bounds[-1], dtype=torch.int32, device=self.device)
-            else:  # repeated on the device from counts copied without waiting (sizes vary per call)
-                tables = torch.arange(len(sizes), dtype=torch.int32, device=self.device)
-                tids = torch.repeat_interleave(tables, _to_device(list(sizes), torch.int64, self.device), output_size=bounds[-1])
-            return tids, _to_device(bounds, torch.int64, self.device)
-        return self._cached("lanes", sizes, make)
+        return self._cached("lanes", sizes, lambda: lane_tables(sizes, self.device))
 
     def _table_scores(self) -> tuple[torch.Tensor, int]:
         def score(m: DynamicEmbedding) -> int:
@@ -203,7 +208,7 @@ class TableGroup:
         # one, the offset the claim adds (a launch argument costs the host less than a copy)
         offset = min((s for s in scores if s != LOWEST_SCORE), default=0)
         base = [s if s == LOWEST_SCORE else s - offset for s in scores]
-        return self._cached("scores", tuple(base), lambda: _to_device(base, torch.int64, self.device)), offset
+        return self._cached("scores", tuple(base), lambda: to_device_nowait(base, torch.int64, self.device)), offset
 
     def _stored(self, r: _Routing) -> "_Stored":
         """Before the claim: where each segment's id is stored in its table, and its copies."""
@@ -230,7 +235,7 @@ class TableGroup:
         if self._uniform_code == EPOCH_LFU and len(epochs := {m.epoch for m in self.members}) == 1:
             return epoch_use_score(old, uses, epochs.pop())
         # per member, as of this call: its step score (never: read-only) and its epoch
-        per_table = _to_device([
+        per_table = to_device_nowait([
             [LOWEST_SCORE if m.config.read_only else (m._step_score(m.step) if p in TABLE_SCORED else 0) for m, p in zip(self.members, self._policies)],
             [m.epoch for m in self.members],
         ], torch.int64, self.device)
@@ -390,7 +395,7 @@ class TableGroup:
         _read_checks reads them. The pinned buffer and the event are the group's own, used
         again by each check: a check is read (settled) before the next one is made."""
         members = tuple(growing)
-        on_device = self._cached("growing", members, lambda: _to_device(list(members), torch.int64, self.device))
+        on_device = self._cached("growing", members, lambda: to_device_nowait(list(members), torch.int64, self.device))
         capacity = max(self.members[i].table.capacity for i in growing)
         checks = growth_checks(r.tids, slots, r.count, self._stack(), on_device, self.bucket_size, capacity)
         if self.device.type != "cuda":
@@ -490,5 +495,5 @@ class TableGroup:
                  else g.to(self.device, torch.float32).contiguous() for g in grads]
         _, lane_bounds = self._lanes(tuple(x.numel() for x in r.ids))
         ptrs = [g.data_ptr() for g in grads]
-        grad_ptrs = self._cached("grads", tuple(ptrs), lambda: _to_device(ptrs, torch.int64, self.device))
+        grad_ptrs = self._cached("grads", tuple(ptrs), lambda: to_device_nowait(ptrs, torch.int64, self.device))
         update_segments(r.number, r.rows, r.count, Gradients(grads, grad_ptrs, lane_bounds), self._stack(), self.dim, self.optimizer)

@@ -18,7 +18,7 @@ from .embedding import STEP_POLICIES, DynamicEmbedding
 from .hashing import EMPTY_KEY
 from .multi_table_kernels import number_segments
 from .probe_kernels import READ_ONLY, TableStack, probe
-from .table_group import CUSTOM, LOWEST_SCORE, TableGroup, _Routing, _to_device
+from .table_group import CUSTOM, LOWEST_SCORE, TableGroup, _Routing, to_device_nowait
 from .tier_kernels import count_swap
 from .tiers import Swapped, Tiers, swap_in, tiers_of
 
@@ -34,7 +34,7 @@ class TieredTableGroup(TableGroup):
             m._moves = self._moves[i]
         self._custom = "custom" in self._policies
         stepped = [m.config.eviction in STEP_POLICIES for m in members]
-        self._stepped, self._all_stepped = _to_device(stepped, torch.bool, self.device), all(stepped)
+        self._stepped, self._all_stepped = to_device_nowait(stepped, torch.bool, self.device), all(stepped)
         self._force = members[0].config.promote_on_miss  # (the collection groups tables that agree on it)
         self._prefetched: tuple[torch.Tensor, torch.Tensor] | None = None  # the last prefetch's lanes
 
@@ -151,7 +151,7 @@ class TieredTableGroup(TableGroup):
         # score; the others' host rows bring their scores, and their device rows keep
         # theirs (the claim never lowers one)
         stepped = self._stepped[tids.long()]
-        next_scores = _to_device([m._step_score(m.step + 1) for m in self.members], torch.int64, self.device)
+        next_scores = to_device_nowait([m._step_score(m.step + 1) for m in self.members], torch.int64, self.device)
         scores = torch.where(stepped, next_scores[tids.long()], torch.where(in_host, host_scores, LOWEST_SCORE))
         barred = ~in_host  # (past the count the probe left it unset, and the key is reserved)
         batch = count  # the lanes counted: the batch's
