@@ -1,14 +1,14 @@
 """The sharded collection's gradient sums on one GPU: the distinct ids' gradient copies
 summed before they travel, by one atomic add per lane (`index_add_` per table, the form
-before run_sum_kernels) and by the run-sum kernel over the routing's order (the stacked
-gradients' copy included), at the scaling benchmark's embedding workload per GPU: 10
+before run_sum_kernels) and by the run-sum kernel over the routing's order (reading each
+table's gradients where they lie), at the scaling benchmark's embedding workload per GPU: 10
 tables of dim 128, 65,536 power-law ids each (α 1.05 over the ids of `--gpus` GPUs'
 shards, as benchmarks/scaling.py draws them).
 
     python benchmarks/run_sums.py [--gpus 2]
 
-The routing order and runs are made as ShardedDynamicEmbeddingCollection._route makes
-them (ids sorted by table and key here: one owner). Prints a table (median of
+The routing order and runs group copies of an id as ShardedDynamicEmbeddingCollection._route
+does (ids sorted by table and key here: one owner). Prints a table (median of
 triton.testing.do_bench, ms) and writes JSON to benchmarks/results/.
 """
 import argparse
@@ -58,7 +58,7 @@ def main() -> None:
 
     def runs():
         out = torch.zeros(distinct, DIM, device="cuda")
-        sum_runs(torch.cat(grads), order, run, out)
+        sum_runs(grads, order, run, out)
         return out
 
     difference = (atomics() - runs()).abs().max().item()

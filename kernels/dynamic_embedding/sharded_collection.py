@@ -13,9 +13,10 @@ as ShardedDynamicEmbedding does) in one exchange for all tables: one all-to-all 
 (the call's one host wait), one of ids, one of rows back (rows of narrower tables padded
 to the widest), and for the update one of gradients (each distinct id's copies summed
 before they travel; means over ranks), the update reusing its lookup's routing for the
-same ids. The distinct ids come from one sort of route codes (route_kernels.py). The owners serve what they receive as one call of their collection.
-`tables[name]` is each table's own sharded view (dump, load, stats). Every rank makes the
-same calls with the same tables.
+same ids. The distinct ids come from one sort of route codes (route_kernels.py). The
+owners serve what they receive as one call of their collection. `tables[name]` is each
+table's own sharded view (dump, load, stats). Every rank makes the same calls with the
+same tables.
 """
 from dataclasses import dataclass
 
@@ -125,8 +126,8 @@ class ShardedDynamicEmbeddingCollection:
             lengths = torch.zeros(distinct, dtype=torch.int64, device=self.device).index_add_(0, r.run, torch.ones_like(r.run))
             return torch.segment_reduce(self._padded(grads, r.width)[r.order], "sum", lengths=lengths, axis=0) / self.world_size
         out = torch.zeros(distinct, r.width, device=self.device)
-        if self.sum_by_runs:
-            sum_runs(self._padded(grads, r.width), r.order, r.run, out, 1 / self.world_size)
+        if self.sum_by_runs:  # each table's rows read where they lie
+            sum_runs([g if g.stride(1) == 1 else g.contiguous() for g in grads], r.order, r.run, out, 1 / self.world_size)
             return out
         for g, slot in zip(grads, r.slot.split(r.sizes)):
             out[:, : g.shape[1]].index_add_(0, slot, g, alpha=1 / self.world_size)
@@ -143,7 +144,8 @@ class ShardedDynamicEmbeddingCollection:
         (owner, table); one host wait: the counts of the exchange."""
         names, world, T, dev = list(ids), self.world_size, len(ids), self.device
         sizes = [ids[n].numel() for n in names]
-        keys = torch.cat([ids[n].to(dev).reshape(-1) for n in names]) if T > 1 else ids[names[0]].to(dev).reshape(-1)
+        parts = [ids[n].to(dev, torch.int64).reshape(-1) for n in names]
+        keys = torch.cat(parts) if T > 1 else parts[0]
         shift = 63 - max(1, (world * T - 1).bit_length())  # the bins' bits above it
         codes = (route_codes if use_triton(self.backend, self.device, "routing") else route_codes_reference)(
             keys, self._lane_tables(tuple(sizes)), world, T, shift,
