@@ -16,8 +16,9 @@ from .table_group import to_device_nowait
 
 RUN_TILE = 32  # lanes a program sums
 RUN_WARPS = 1  # (tilings timed: benchmarks/scaling.md)
-# the parts' table: int64 words, each a run of T values (one per part)
-_PTRS, _STRIDES, _DIMS, _STARTS = 0, 1, 2, 3  # addresses, row strides, widths, first lanes
+# the parts' table: int64 words, each a run of T values (one per part): addresses, row
+# strides, widths, first lanes (kernels may only read module globals that are constexpr)
+_PTRS, _STRIDES, _DIMS, _STARTS = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
