@@ -41,31 +41,46 @@ class ItemEmbedding:
         self.tables = ShardedDynamicEmbeddingCollection(configs, device, group)
         self.device = self.tables[ITEM].local.device
         self.features = features.to(self.device) if features is not None else None
+        self._static_wanted: tuple | None = None  # (ids, version, tables' ids, bags) of the last static lookup
 
     @property
     def item_table(self) -> ShardedDynamicEmbedding:
         return self.tables[ITEM]
 
-    def lookup(self, ids: torch.Tensor, train: bool = False, item_rows=None) -> ItemLookup:
+    def lookup(self, ids: torch.Tensor, train: bool = False, item_rows=None, static: bool = False) -> ItemLookup:
         """Embeddings of item ids (N,). train: rows are created and counted as training
         uses, and returned as leaves that require gradients (see apply_gradients).
         item_rows: a function ids → item rows that serves them instead of the item table
-        (serving's inference table; the genre table stays this one's)."""
+        (serving's inference table; the genre table stays this one's). static: ids is the
+        same unchanged tensor at every static call (the catalog), on every rank alike: its
+        genres and the tables' routing are kept (ShardedDynamicEmbeddingCollection.lookup)."""
         ids = ids.to(self.device)
-        want = {ITEM: ids}
-        if self.features is not None:
-            genre_ids, bag_offsets = self.features.bags(ids)
-            want[GENRE], bag_index = torch.unique(genre_ids, return_inverse=True)
+        want, bags = self._wanted(ids, static)
         if item_rows is None:
-            rows = self.tables.lookup(want, train)
+            rows = self.tables.lookup(want, train, static=static)
         else:
             rows = self.tables.lookup({n: i for n, i in want.items() if n != ITEM}, train) | {ITEM: item_rows(ids)}
         if train:
             rows = {n: r.requires_grad_(True) for n, r in rows.items()}
         emb = rows[ITEM]
-        if self.features is not None:
-            emb = emb + pool(rows[GENRE], bag_index, bag_offsets, "mean")
+        if bags is not None:
+            emb = emb + pool(rows[GENRE], *bags, "mean")
         return ItemLookup(emb, want, rows)
+
+    def _wanted(self, ids: torch.Tensor, static: bool) -> tuple[dict, tuple | None]:
+        """Each table's ids for these items, and with features their genres' bags (each
+        genre's place among the genre ids, bag offsets); kept for static ids."""
+        kept = self._static_wanted
+        if static and kept is not None and kept[0] is ids and kept[1] == ids._version:
+            return kept[2], kept[3]
+        want, bags = {ITEM: ids}, None
+        if self.features is not None:
+            genre_ids, bag_offsets = self.features.bags(ids)
+            want[GENRE], bag_index = torch.unique(genre_ids, return_inverse=True)
+            bags = (bag_index, bag_offsets)
+        if static:
+            self._static_wanted = (ids, ids._version, want, bags)
+        return want, bags
 
     def embed(self, ids: torch.Tensor, item_rows=None) -> torch.Tensor:
         """(N, D) embeddings for inference (no rows created, no gradients); item_rows as

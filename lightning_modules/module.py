@@ -133,9 +133,7 @@ class HSTULightningModule(L.LightningModule):
         # last, and row r's output predicts row r + 1
         ids, sources = batch["item_ids"], batch["input_rows"]
         negatives = self.sample_negatives()
-        all_ids = torch.cat([ids, negatives])
-        looked = self.items.lookup(all_ids, train=True)  # leaves: gradients land in their .grad
-        rows = looked.embeddings
+        looked, rows = self._look_up(ids, negatives)
         seq_rows, neg_rows = rows[: ids.numel()], rows[ids.numel() :]
         inputs = (seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])
         targets = sources + 1
@@ -164,6 +162,21 @@ class HSTULightningModule(L.LightningModule):
         else:  # no targets here: a zero that still touches every weight, so DDP's all-reduce runs
             loss = out.sum() * 0.0 + sum(p.sum() for p in self.model.parameters()) * 0.0 + rows.sum() * 0.0
         return self._step(loss, looked, batch)
+
+    def _look_up(self, ids: torch.Tensor, negatives: torch.Tensor):
+        """The training lookup of a step's items and negatives: (the lookup, whose rows are
+        leaves that collect their gradients; the rows of ids then negatives). Under several
+        processes with the catalog as negatives, the catalog alone is looked up, as a static
+        lookup (its routing kept: no wait for the exchange's counts), and the batch's rows
+        are gathered from its rows: the tables see the same distinct ids as a lookup of
+        both (every training item is in the catalog, checked without a wait)."""
+        if negatives is not self.catalog or self.trainer.world_size == 1:
+            looked = self.items.lookup(torch.cat([ids, negatives]), train=True)
+            return looked, looked.embeddings
+        looked = self.items.lookup(self.catalog, train=True, static=True)
+        at = torch.searchsorted(self.catalog, ids).clamp_(max=len(self.catalog) - 1)
+        torch._assert_async((self.catalog[at] == ids).all(), "a training item is not in the catalog")
+        return looked, torch.cat([looked.embeddings[at], looked.embeddings])
 
     def _graphed_step(self) -> GraphedTrainingStep | None:
         """The step graphs, where the model has graphs and the loss is the full softmax

@@ -399,3 +399,93 @@ def test_gradient_sums_by_runs_equal_index_add(tmp_path, device):
                 torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-5, msg=n)  # float sums in another order
         for n in end_runs:
             torch.testing.assert_close(end_runs[n], end_add[n], rtol=1e-5, atol=1e-5, msg=n)
+
+
+def _static_against_plain(rank, world, out):
+    """Static lookups of a fixed ids dict (the same tensors every call; other ids from step
+    2) and plain lookups of copies of it, trained alike: the same rows at every step and
+    after; a static call of the same tensors as the one before exchanges only rows (one
+    all-to-all a lookup, one an update)."""
+    import torch.distributed as dist
+
+    from kernels.dynamic_embedding import ShardedDynamicEmbeddingCollection
+
+    exchanges = []
+    plain_exchange = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        exchanges.append(1)
+        return plain_exchange(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    static, plain = ShardedDynamicEmbeddingCollection(COLLECTION), ShardedDynamicEmbeddingCollection(COLLECTION)
+    g = torch.Generator().manual_seed(3 + rank)
+    fixed = {n: ALL_IDS[torch.randint(len(ALL_IDS), (20 + 5 * rank,), generator=g)] for n in COLLECTION}
+    per_call = []
+    for step in range(4):
+        if step == 2:  # new static tensors (on every rank): routed afresh
+            fixed = {n: ALL_IDS[torch.randint(len(ALL_IDS), (12 + 3 * rank,), generator=g)] for n in COLLECTION}
+        grads = {n: torch.randn(x.numel(), COLLECTION[n].dim, generator=g) for n, x in fixed.items()}
+        exchanges.clear()
+        got = static.lookup(fixed, static=True)
+        static.apply_gradients(fixed, grads)
+        per_call.append(len(exchanges))
+        want = plain.lookup({n: x.clone() for n, x in fixed.items()})
+        plain.apply_gradients({n: x.clone() for n, x in fixed.items()}, grads)
+        for n in fixed:
+            torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+    rows = {n: (static[n].lookup(ALL_IDS, train=False), plain[n].lookup(ALL_IDS, train=False)) for n in COLLECTION}
+    torch.save((rows, per_call), f"{out}.rank{rank}.pt")
+
+
+def test_static_lookups_reuse_their_routing_with_the_same_results(tmp_path):
+    run_distributed(2, _static_against_plain, str(tmp_path / "rows"))
+    for rank in range(2):
+        rows, per_call = torch.load(tmp_path / f"rows.rank{rank}.pt")
+        assert per_call == [4, 2, 4, 2]  # counts, ids, rows, gradients; then rows and gradients
+        for n, (static, plain) in rows.items():
+            torch.testing.assert_close(static, plain, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def _catalog_lookups(rank, world, out):
+    """The training step's lookup (HSTULightningModule._look_up) with the catalog as
+    negatives under two processes: the catalog alone, statically, the batch's rows gathered
+    from it; against the lookup of the batch and the catalog together (as one process
+    makes it), trained alike from the same losses: the same rows and tables."""
+    from types import SimpleNamespace
+
+    from lightning_modules.config import HSTUConfig
+    from lightning_modules.item_embedding import ItemEmbedding
+    from lightning_modules.item_features import ItemFeatures
+    from lightning_modules.module import HSTULightningModule
+
+    config = HSTUConfig(embedding_dim=8)
+    catalog = torch.arange(3, 60, 3)
+    features = ItemFeatures(catalog, torch.arange(0, 2 * len(catalog) + 1, 2), torch.arange(2 * len(catalog)) % 5)
+    step = SimpleNamespace(catalog=catalog, trainer=SimpleNamespace(world_size=world))
+    g = torch.Generator().manual_seed(rank)
+    tables = {}
+    for mode in ("static", "together"):
+        items = ItemEmbedding(config, features=features)
+        for _ in range(3):
+            ids = catalog[torch.randint(len(catalog), (30,), generator=g)]
+            weights = torch.randn(len(ids) + len(catalog), config.embedding_dim, generator=g)
+            if mode == "static":
+                looked, rows = HSTULightningModule._look_up(SimpleNamespace(**vars(step), items=items), ids, catalog)
+            else:
+                looked = items.lookup(torch.cat([ids, catalog]), train=True)
+                rows = looked.embeddings
+            (rows * weights).sum().backward()
+            items.apply_gradients(looked)
+        tables[mode] = {n: items.tables[n].lookup(catalog if n == "item" else torch.arange(5), train=False)
+                        for n in items.tables.tables}
+        g = torch.Generator().manual_seed(rank)  # the same batches and losses for the second mode
+    torch.save(tables, f"{out}.rank{rank}.pt")
+
+
+def test_the_training_lookup_of_the_catalog_is_static_under_several_processes(tmp_path):
+    run_distributed(2, _catalog_lookups, str(tmp_path / "rows"))
+    for rank in range(2):
+        tables = torch.load(tmp_path / f"rows.rank{rank}.pt")
+        for n in tables["static"]:
+            torch.testing.assert_close(tables["static"][n], tables["together"][n], rtol=1e-5, atol=1e-6, msg=n)

@@ -63,6 +63,7 @@ class ShardedDynamicEmbeddingCollection:
         self.sum_by_runs = self.device.type == "cuda"
         self.backend = "auto"  # the route codes' kernel: Triton on CUDA, its twin elsewhere
         self._routed: _Route | None = None
+        self._static: _Route | None = None  # the routing of the last static lookup's ids
         self._lanes: tuple | None = None  # (sizes, each lane's table) of the last call
 
     def __getitem__(self, name: str) -> ShardedDynamicEmbedding:
@@ -71,12 +72,21 @@ class ShardedDynamicEmbeddingCollection:
     def __contains__(self, name: str) -> bool:
         return name in self.tables
 
-    def lookup(self, ids: dict[str, torch.Tensor], train: bool = True) -> dict[str, torch.Tensor]:
-        """(N_f, dim) rows for each feature's int64 ids (N_f,); a collective with several ranks."""
+    def lookup(self, ids: dict[str, torch.Tensor], train: bool = True, static: bool = False) -> dict[str, torch.Tensor]:
+        """(N_f, dim) rows for each feature's int64 ids (N_f,); a collective with several ranks.
+        static: these id tensors recur in later static calls as the same objects, unchanged
+        (a model's catalog), on every rank alike: their routing is kept and reused, so such
+        a call waits for nothing and exchanges only rows. A static call with other tensors
+        routes them afresh (every rank's must change at the same call)."""
         if self.world_size == 1:
             return self.local.lookup(ids, train)
         self.local._check(ids)
-        r = self._route(ids)
+        if static and self._static is not None and self._same(self._static, ids):
+            r = self._static
+        else:
+            r = self._route(ids)
+            if static:
+                self._static = r
         self._routed = r
         served = self.local.lookup(r.recv_ids, train)
         if r.perm is None:
