@@ -7,6 +7,8 @@ gradient tensor (through a table of their addresses), not from a stacked copy. T
 PyTorch twin of the same signature is in run_sum_reference.py
 (tests/test_run_sum_kernels.py holds them together).
 """
+from itertools import accumulate
+
 import torch
 import triton
 import triton.language as tl
@@ -66,9 +68,7 @@ def sum_runs(parts: list[torch.Tensor], order: torch.Tensor, run: torch.Tensor, 
     n = run.numel()
     if n == 0:
         return
-    starts = [0]
-    for x in parts[:-1]:
-        starts.append(starts[-1] + x.shape[0])
+    starts = list(accumulate((x.shape[0] for x in parts[:-1]), initial=0))
     words = [x.data_ptr() for x in parts] + [x.stride(0) for x in parts] + [x.shape[1] for x in parts] + starts
     table = to_device_nowait(words, torch.int64, out.device)
     launch(

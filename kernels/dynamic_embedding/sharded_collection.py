@@ -194,7 +194,7 @@ class ShardedDynamicEmbeddingCollection:
     def _lane_tables(self, sizes: tuple) -> torch.Tensor:
         """Each lane's table for these per-table sizes (the last call's again if the same)."""
         if self._lanes is None or self._lanes[0] != sizes:
-            self._lanes = (sizes, lane_tables(sizes, self.device)[0])
+            self._lanes = (sizes, lane_tables(sizes, self.device))
         return self._lanes[1]
 
     def _table_order(self, recv_counts: torch.Tensor) -> torch.Tensor:
@@ -206,9 +206,9 @@ class ShardedDynamicEmbeddingCollection:
         received_start = (recv_counts.reshape(-1).cumsum(0) - recv_counts.reshape(-1)).view(world, T)
         by_table = recv_counts.t().reshape(-1)  # block sizes in out's order
         out_start = by_table.cumsum(0) - by_table
-        shift = received_start.t().reshape(-1) - out_start
+        offset = received_start.t().reshape(-1) - out_start
         total = int(by_table.sum())
-        moves = to_device_nowait(torch.stack([shift, by_table]).tolist(), torch.int64, self.device)
+        moves = to_device_nowait(torch.stack([offset, by_table]).tolist(), torch.int64, self.device)
         return torch.arange(total, device=self.device) + torch.repeat_interleave(moves[0], moves[1], output_size=total)
 
     def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:

@@ -28,6 +28,7 @@ of an id's copies are summed in another order (the same sum to rounding).
 """
 import weakref
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -70,19 +71,15 @@ def to_device_nowait(values: list, dtype: torch.dtype, device: torch.device) -> 
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def lane_tables(sizes: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def lane_tables(sizes: tuple, device: torch.device) -> torch.Tensor:
     """For lanes of T tables laid end to end, sizes[t] lanes of table t: the (N,) int32
-    table of each lane, and where each table's lanes begin ((T + 1,) int64, the last one
-    past the end); nothing waits for the GPU."""
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
+    table of each lane; nothing waits for the GPU."""
+    total = sum(sizes)
     if len(sizes) == 1:  # one table: every lane is table 0's
-        tids = torch.zeros(bounds[-1], dtype=torch.int32, device=device)
-    else:  # repeated on the device from counts copied without waiting (sizes vary per call)
-        tables = torch.arange(len(sizes), dtype=torch.int32, device=device)
-        tids = torch.repeat_interleave(tables, to_device_nowait(list(sizes), torch.int64, device), output_size=bounds[-1])
-    return tids, to_device_nowait(bounds, torch.int64, device)
+        return torch.zeros(total, dtype=torch.int32, device=device)
+    # repeated on the device from counts copied without waiting (sizes vary per call)
+    tables = torch.arange(len(sizes), dtype=torch.int32, device=device)
+    return torch.repeat_interleave(tables, to_device_nowait(list(sizes), torch.int64, device), output_size=total)
 
 
 @dataclass
@@ -194,7 +191,9 @@ class TableGroup:
     def _lanes(self, sizes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """For these per-table counts: the table of each lane, and where each table's lanes
         begin (T + 1 values, the last one past the end)."""
-        return self._cached("lanes", sizes, lambda: lane_tables(sizes, self.device))
+        return self._cached("lanes", sizes, lambda: (
+            lane_tables(sizes, self.device), to_device_nowait(list(accumulate(sizes, initial=0)), torch.int64, self.device)
+        ))
 
     def _table_scores(self) -> tuple[torch.Tensor, int]:
         def score(m: DynamicEmbedding) -> int:
