@@ -68,11 +68,15 @@ def tuned_choices(package: str) -> dict:
     """The configuration the autotuner chose for each launch of a kernels package's
     attention kernels ("kernels", or other_attention's), by the launch's tuning key and
     constants: what a row's figures were timed with."""
-    kernels = importlib.import_module(f"{package}.hstu_attention.triton_kernels")
-    return {
-        name: {f"{key[0]} {dict(key[2])}": str(config) for key, config in getattr(kernels, name).chosen.items()}
-        for name in ("_forward", "_backward_kv", "_backward_q")
-    }
+    launches = {}
+    for module, names in (("triton_kernels", ("_forward", "_backward_kv", "_backward_q")), ("score_grads", ("_dq", "_bias_grads"))):
+        try:
+            kernels = importlib.import_module(f"{package}.hstu_attention.{module}")
+        except ImportError:  # (a checkout from before that module)
+            continue
+        for name in names:
+            launches[name] = {f"{key[0]} {dict(key[2])}": str(config) for key, config in getattr(kernels, name).chosen.items()}
+    return launches
 
 
 def bench(fn) -> float | None:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_path import write_results  # noqa: E402
 
-from kernels.hstu_attention import triton_kernels as tk  # noqa: E402
+from kernels.hstu_attention import score_grads, triton_kernels as tk  # noqa: E402
 
 # the most shared memory a block may take (bytes), by compute capability
 LIMITS = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
@@ -60,18 +60,24 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hstu_attention_smem_sm<arch>.json)")
     args = p.parse_args()
     limit = LIMITS[args.arch]
-    kernels = [("forward, one head", tk._forward_kernel, dict(PAIR=False)), ("forward, two heads", tk._forward_kernel, dict(PAIR=True)),
-               ("backward dK dV", tk._backward_kv_kernel, {}), ("backward dQ", tk._backward_q_kernel, dict(BIAS_GRADS=True))]
     rows = []
     print(f"sm_{args.arch}: at most {limit} bytes of shared memory a block")
     for dim in args.head_dims:
-        for label, kernel, extra in kernels:
-            constants = dict(HAS_TARGETS=False, TWO_BUCKET_TILES=True, DQK=dim, DV=dim, BLOCK_DQK=dim, BLOCK_DV=dim, **extra)
-            for config in tk.CONFIGS:
+        attention = dict(HAS_TARGETS=False, TWO_BUCKET_TILES=True, DQK=dim, DV=dim, BLOCK_DQK=dim, BLOCK_DV=dim)
+        kernels = [
+            ("forward, one head", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=False)),
+            ("forward, two heads", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=True)),
+            ("backward dK dV", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=False)),
+            ("backward dK dV, dS stored", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=True)),
+            ("backward dQ", tk._backward_q_kernel, tk.CONFIGS, dict(attention, BIAS_GRADS=True)),
+            ("dQ from stored dS", score_grads._dq_kernel, score_grads.DQ_CONFIGS, dict(HAS_TARGETS=False, DQK=dim, BLOCK_DQK=dim)),
+        ]
+        for label, kernel, configs, constants in kernels:
+            for config in configs:
                 need = shared_bytes(kernel, config, args.arch, constants)
                 tiling = f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
                 rows.append({"arch": args.arch, "head_dim": dim, "kernel": label, "tiling": tiling, "shared_bytes": need, "fits": need <= limit})
-                print(f"{dim:>4}  {label:<20}{tiling:<28}{need:>9}  {'fits' if need <= limit else 'too large'}", flush=True)
+                print(f"{dim:>4}  {label:<27}{tiling:<28}{need:>9}  {'fits' if need <= limit else 'too large'}", flush=True)
     write_results("hstu_attention_smem", rows, args.out or str(Path(__file__).parent / "results" / f"hstu_attention_smem_sm{args.arch}.json"),
                   device="cpu", arch=args.arch, limit=limit, triton=triton.__version__)
 

@@ -213,15 +213,25 @@ def test_bad_input_is_refused_with_the_problem_named():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter runs one configuration")
-def test_every_tuning_configuration_matches_the_twin():
-    from kernels.hstu_attention import triton_kernels
+@pytest.mark.parametrize("stored", [False, True])
+def test_every_tuning_configuration_matches_the_twin(monkeypatch, stored):
+    """Each configuration of the kernels of one backward: recomputing dQ from the scores
+    (a buffer of no bytes), or from stored dS (score_grads.py, whose two kernels have
+    configurations of their own, taken in step with the others')."""
+    from kernels.hstu_attention import score_grads
 
-    tuned = (triton_kernels._forward, triton_kernels._backward_kv, triton_kernels._backward_q)
+    if not stored:
+        monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 0)
+    tuned = [triton_kernels._forward, triton_kernels._backward_kv, triton_kernels._backward_q]
+    configs = [triton_kernels.CONFIGS] * 3
+    if stored:
+        tuned += [score_grads._dq, score_grads._bias_grads]
+        configs += [score_grads.DQ_CONFIGS, score_grads.BIAS_CONFIGS]
     all_configs = [t.tuner.configs for t in tuned]
     try:
-        for i, config in enumerate(triton_kernels.CONFIGS):
-            for t in tuned:
-                t.tuner.configs = [config]
+        for i in range(max(len(c) for c in configs)):
+            for t, c in zip(tuned, configs):
+                t.tuner.configs = [c[i % len(c)]]
                 t.forget()
             max_seq_len = 300
             for heads, context_len in ((2, 0), (2, 3), (1, 3)):  # (the forward runs an even head count in pairs)
@@ -229,12 +239,12 @@ def test_every_tuning_configuration_matches_the_twin():
                 upstream = torch.randn(tensors["v"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
                 got, got_grads = run("triton", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
                 want, want_grads = run("reference", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
-                assert close(got, want, TOLERANCE[torch.bfloat16]), config
+                assert close(got, want, TOLERANCE[torch.bfloat16]), i
                 for name, g in want_grads.items():
-                    assert close(got_grads[name], g, TOLERANCE[torch.bfloat16] * 4), (config, name)
+                    assert close(got_grads[name], g, TOLERANCE[torch.bfloat16] * 4), (i, name)
     finally:
-        for t, configs in zip(tuned, all_configs):
-            t.tuner.configs = configs
+        for t, c in zip(tuned, all_configs):
+            t.tuner.configs = c
             t.forget()
 
 
@@ -360,3 +370,73 @@ def test_bucket_thresholds_are_the_least_gaps_of_each_bucket():
     placed = time_buckets(gaps, NUM_BUCKETS)[:, 0, 1].reshape(-1, 2)  # (t - 1, t) per bucket
     bucket = torch.tensor([b for b, _ in exact])
     assert bool((placed[:, 1] >= bucket).all() and (placed[:, 0] < bucket).all())  # t in bucket b or above, t - 1 below
+
+
+class _CountedLaunches:
+    """triton_kernels._launch_dq, counting its launches."""
+
+    def __init__(self, launch):
+        self.launch, self.calls = launch, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.launch(*args)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS[:2])
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 0), (True, 3)])
+@pytest.mark.parametrize("two_buckets", [False, True])
+def test_backward_from_stored_score_grads_matches_the_twin(monkeypatch, lengths, targets, context_len, two_buckets):
+    """The backward that stores each tile's dS and takes dQ and the biases' gradients from
+    it (score_grads.py), at every length, through a buffer of three sequences (the buffer
+    is poisoned: an entry read that the dK dV kernel did not write shows as NaN). float16
+    on a GPU, where float32's exact products take minutes to compile."""
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    scaled = [n * SCALE for n in lengths] * SCALE  # (as the test below scales them)
+    max_seq_len, heads = max(scaled + [1]) + 3, 2
+    monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 3 * heads * max_seq_len**2 * dtype.itemsize)
+    monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0 if two_buckets else 1 << 30)
+    counted = _CountedLaunches(triton_kernels._launch_dq)
+    monkeypatch.setattr(triton_kernels, "_launch_dq", counted)
+    test_triton_attention_matches_the_twin_forward_and_backward(lengths, dtype, heads, 50, 64, targets, context_len)
+    assert counted.calls == (-(-len(scaled) // 3) if sum(scaled) else 0)  # (no rows: no launch)
+
+
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 0), (True, 3)])
+@pytest.mark.parametrize("two_buckets", [False, True])
+def test_backward_recomputing_the_scores_matches_the_twin(monkeypatch, targets, context_len, two_buckets):
+    """The backward where a sequence's dS does not fit the buffer: dQ and the biases'
+    gradients recomputed from the scores in one kernel, no stored dS read."""
+    monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 0)
+    monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0 if two_buckets else 1 << 30)
+    counted = _CountedLaunches(triton_kernels._launch_dq)
+    monkeypatch.setattr(triton_kernels, "_launch_dq", counted)
+    test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 50, 64, targets, context_len)
+    assert counted.calls == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
+@pytest.mark.parametrize("two_buckets", [False, True])
+def test_dq_and_bias_grads_from_score_grads_match_the_twins(monkeypatch, dtype, targets, context_len, two_buckets):
+    """dq_from_score_grads and bias_grads_from_score_grads on their own, against their
+    twins, with every entry of ds a row does not attend to NaN: neither reads one."""
+    monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0 if two_buckets else 1 << 30)
+    lengths = [n * SCALE for n in LENGTHS[0]] * SCALE
+    max_seq_len, heads = max(lengths) + 5, 3
+    tensors, offsets, num_targets = case(11, lengths, heads, 40, 40, max_seq_len, dtype, targets)
+    gen = torch.Generator().manual_seed(3)
+    ds = torch.full((len(lengths), heads, max_seq_len, max_seq_len), float("nan"))
+    for b, n in enumerate(lengths):
+        attended = reference.allowed_pairs(n, int(num_targets[b]) if targets else 0, context_len, "cpu")
+        ds[b, :, :n, :n] = torch.where(attended, torch.randn(heads, n, n, generator=gen), float("nan"))
+    ds = ds.to(DEVICE, dtype)
+    k, stamps = tensors["k"].detach(), tensors["timestamps"]
+    args = (offsets, stamps, max_seq_len)
+    got = triton_kernels.dq_from_score_grads(ds, k, *args, num_targets, context_len)
+    want = reference.dq_from_score_grads(ds, k, *args, num_targets, context_len)
+    assert got.dtype == dtype and close(got, want, TOLERANCE[dtype])
+    got = triton_kernels.bias_grads_from_score_grads(ds, *args, NUM_BUCKETS, num_targets, context_len)
+    want = reference.bias_grads_from_score_grads(ds, *args, NUM_BUCKETS, num_targets, context_len)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32 and g.shape == w.shape and close(g, w, 2e-5)

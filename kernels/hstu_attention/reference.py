@@ -112,3 +112,46 @@ def hstu_attention(
     if not out.requires_grad and v.requires_grad:  # no rows attended: zeros that depend on v
         return v * 0
     return out.to(v.dtype)
+
+
+def _attended_score_grads(ds: torch.Tensor, b: int, n: int, num_targets: torch.Tensor | None, context_len: int):
+    """(H, n, n) float: sequence b's dS where its rows attend, 0 elsewhere (where ds is
+    never written, whatever it holds)."""
+    targets = int(num_targets[b]) if num_targets is not None else 0
+    return torch.where(allowed_pairs(n, targets, context_len, ds.device), ds[b, :, :n, :n].double(), 0.0)
+
+
+def dq_from_score_grads(
+    ds: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int,
+    num_targets: torch.Tensor | None = None, context_len: int = 0,
+) -> torch.Tensor:
+    """(total, H, dqk): dQ_i = Σ_j dS[b, h, i, j] · k_j over the rows j that row i of
+    sequence b attends to; ds (B, H, max_seq_len, max_seq_len) holds each sequence's score
+    gradients, read nowhere else. The twin of triton_kernels.dq_from_score_grads."""
+    dq = torch.zeros(k.shape, dtype=torch.float64, device=k.device)
+    for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        if end > start:
+            d = _attended_score_grads(ds, b, end - start, num_targets, context_len)
+            dq[start:end] = torch.einsum("hij,jhd->ihd", d, k[start:end].double())
+    return dq.to(k.dtype)
+
+
+def bias_grads_from_score_grads(
+    ds: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int, num_buckets: int,
+    num_targets: torch.Tensor | None = None, context_len: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d position_bias, d time_bias), float32: every head's dS of each attended pair
+    added at the pair's position index (j - i clamped as hstu_attention's) and its time
+    bucket. ds as dq_from_score_grads reads it. The twin of
+    triton_kernels.bias_grads_from_score_grads."""
+    d_position = torch.zeros(2 * max_seq_len - 1, dtype=torch.float64, device=ds.device)
+    d_time = torch.zeros(num_buckets + 1, dtype=torch.float64, device=ds.device)
+    for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        if end == start:
+            continue
+        d = _attended_score_grads(ds, b, end - start, num_targets, context_len).sum(0)
+        position = torch.arange(end - start, device=ds.device)
+        rel = (position[None, :] - position[:, None]).clamp(-(max_seq_len - 1), max_seq_len - 1) + max_seq_len - 1
+        d_position.index_add_(0, rel.reshape(-1), d.reshape(-1))
+        d_time.index_add_(0, time_buckets(timestamps[start:end], num_buckets).reshape(-1), d.reshape(-1))
+    return d_position.float(), d_time.float()

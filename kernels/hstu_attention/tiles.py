@@ -26,24 +26,34 @@ def _sigmoid(x, scale, SIXTEEN_BIT: tl.constexpr):
 
 
 @triton.jit
-def _biases(
-    rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
-    TWO_BUCKETS: tl.constexpr,
-):
-    """(float32 sum of both biases, each pair's position index, its time bucket) of query
-    rows `rows` against key rows `cols` of one sequence; t_rows, t_cols: their float64
-    timestamp offsets. TWO_BUCKETS, a tile whose gaps span two buckets at most
-    (time_buckets._tile_buckets): the time bias is `high` where a pair's gap reaches
-    `threshold`, else `low`, and the third value says which."""
+def _pair_buckets(rows, cols, t_rows, t_cols, max_seq_len, edges_ptr, num_buckets, threshold, TWO_BUCKETS: tl.constexpr):
+    """(each pair's position index, its time bucket) of query rows `rows` against key rows
+    `cols` of one sequence; t_rows, t_cols: their float64 timestamp offsets. TWO_BUCKETS, a
+    tile whose gaps span two buckets at most (time_buckets._tile_bucket): the bucket is
+    whether a pair's gap reaches `threshold` (the upper of the two), else the pair's own."""
     # j - i + max_seq_len - 1, with rows and columns (past a sequence's end too) kept below
     # max_seq_len so that it stays inside the table: an add per pair
     rel = tl.minimum(cols, max_seq_len - 1)[None, :] + (max_seq_len - 1 - tl.minimum(rows, max_seq_len - 1))[:, None]
     gap = tl.abs(t_rows[:, None] - t_cols[None, :])
     if TWO_BUCKETS:
         bucket = gap >= threshold
-        bias = tl.load(position_ptr + rel).to(tl.float32) + tl.where(bucket, high, low)
     else:
         bucket = _gap_bucket(gap, edges_ptr, num_buckets)
+    return rel, bucket
+
+
+@triton.jit
+def _biases(
+    rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+    TWO_BUCKETS: tl.constexpr,
+):
+    """(float32 sum of both biases, each pair's position index, its time bucket):
+    _pair_buckets, and the biases looked up; TWO_BUCKETS: the time bias is `high` where a
+    pair reaches the upper bucket, else `low`."""
+    rel, bucket = _pair_buckets(rows, cols, t_rows, t_cols, max_seq_len, edges_ptr, num_buckets, threshold, TWO_BUCKETS)
+    if TWO_BUCKETS:
+        bias = tl.load(position_ptr + rel).to(tl.float32) + tl.where(bucket, high, low)
+    else:
         # the two gathers summed as a pair along a third axis (the same float32 sum): Triton
         # moves a gathered tile into the product's layout through shared memory, and the
         # joined pair's sum is one such move where `a + b` makes one per gather

@@ -172,13 +172,20 @@ def _tile_extremes(ext_ptr, entry, first, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile_buckets(b_lo, b_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets):
+def _tile_bucket(b_lo, b_hi, lo, hi, thresholds_ptr, edges_ptr, num_buckets):
     """For the tile of a block whose timestamps lie in [b_lo, b_hi] (_tile_extremes) against
     rows whose timestamps lie in [lo, hi], a tile that spans two buckets at most
     (_two_bucket_blocks): (its lower bucket b, the least whole gap of bucket b + 1 as
-    float64, the biases of b and of b + 1)."""
+    float64)."""
     least, _ = _distances(lo, hi, b_lo, b_hi)
     bucket = _gap_bucket(least, edges_ptr, num_buckets)
+    return bucket, tl.load(thresholds_ptr + bucket + 1)
+
+
+@triton.jit
+def _tile_buckets(b_lo, b_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets):
+    """_tile_bucket, and the biases of b and of b + 1."""
+    bucket, threshold = _tile_bucket(b_lo, b_hi, lo, hi, thresholds_ptr, edges_ptr, num_buckets)
     low = tl.load(time_ptr + bucket).to(tl.float32)
     high = tl.load(time_ptr + tl.minimum(bucket + 1, num_buckets)).to(tl.float32)
-    return bucket, tl.load(thresholds_ptr + bucket + 1), low, high
+    return bucket, threshold, low, high

@@ -10,9 +10,13 @@ inside the kernel (no (L, L) tensor in memory), and accumulates SiLU(scores) / m
 products: two heads a program compute them once for both. The grid is sized by
 max_seq_len, so no length is read on the host; programs past their sequence's end return
 at once.
-Backward, two kernels that recompute the scores: one per key block (dK, dV), one per query
-block (dQ and the biases' gradients, added by atomic adds into copies of float32 tables
-that are summed after the launch).
+Backward: a kernel per key block recomputes the scores and gives dK and dV, writing each
+tile's dS (the scores' gradient) into a buffer; from it dQ is a product with K and the
+biases' gradients a sum over the heads per pair (score_grads.py), added by atomic adds
+into copies of float32 tables that are summed after the launch (bias_grads.py). The
+buffer holds up to SCORE_GRADS_BUFFER_BYTES, some sequences at a time; where one
+sequence's dS would not fit, a kernel per query block recomputes the scores once more
+for dQ and the biases' gradients, each head's on its own.
 
 Each kernel walks its tiles in three loops: the tiles whose every pair is allowed (wholly
 below the diagonal and inside the history) skip the mask, and of those, the run farthest
@@ -30,12 +34,15 @@ from triton.runtime.errors import OutOfResources
 
 from ..autotune import TunedLaunches, autotuned
 from ..launch import cdiv, next_power_of_2
+from . import score_grads
+from .bias_grads import BIAS_GRAD_COPIES, _add_bias_grads, _bias_grad_copy
 from .reference import time_bucket_edges
+from .score_grads import _score_grads_at
 from .tiles import (
     _allowed, _attend, _biased_scores, _biases, _head_rows, _key_ranges, _load_head_rows, _program_block, _query_ranges,
     _row_block, _sigmoid, _two_bucket_run,
 )
-from .time_buckets import _gap_bucket, _tile_buckets, _tile_extremes, bucket_thresholds, timestamp_extremes
+from .time_buckets import _tile_buckets, _tile_extremes, bucket_thresholds, timestamp_extremes
 
 # blocks of query and key rows, warps and pipeline stages, tuned per head dims and length
 CONFIGS = [
@@ -49,12 +56,14 @@ LARGEST_BLOCK = max(max(c.kwargs.values()) for c in CONFIGS)  # the timestamp ex
 # sequences have few tiles far enough from the diagonal, and the prepass and the
 # per-program scan cost them more than those tiles save.
 TWO_BUCKET_MIN_LENGTH = 1024
+# The backward stores each tile's dS and takes dQ and the biases' gradients from it
+# (score_grads.py), the sequences run through a buffer of at most this many bytes, as many
+# at a time as fit (one pass where all do: a pass per few sequences leaves the GPU part
+# idle at the end of each); a batch whose one sequence's dS (heads · max_seq_len² entries)
+# does not fit is recomputed from the scores instead. 4 GiB holds B32 N4096 H4 in bfloat16.
+SCORE_GRADS_BUFFER_BYTES = 4 << 30
 TUNING_KEY = ["DQK", "DV", "length_class"]  # length_class: max_seq_len's power of two
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
-# The dQ kernel adds the biases' gradients into this many copies of each, a program into
-# copy (its linear id mod this), summed after the launch: with one copy, programs adding at
-# the same positions or buckets at once wait on each other's atomic adds.
-BIAS_GRAD_COPIES = tl.constexpr(64)
 
 
 @triton.jit
@@ -153,12 +162,12 @@ def _score_grads(s, do, v, scale):
 
 @triton.jit
 def _backward_kv_tile(
-    dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, q_ptr, do_ptr, ds_ptr, timestamps_ptr, start, t0, n, history_end,
+    heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
+    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, STORE_DS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    rows, _, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
+    rows, row_live, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
     s, _, _ = _biased_scores(
         q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
         TWO_BUCKETS,
@@ -168,6 +177,9 @@ def _backward_kv_tile(
         allowed = _allowed(rows, cols, n, history_end, context_len)
         a = tl.where(allowed, a, 0.0)
         ds = tl.where(allowed, ds, 0.0)
+    if STORE_DS:  # (score_grads.py; masked pairs as 0, rows and columns past the sequence's end not written)
+        ds_at = _score_grads_at(ds_ptr, b, h, heads, rows, cols, max_seq_len)
+        tl.store(ds_at, ds.to(ds_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
     dv_acc += tl.dot(tl.trans(a.to(do.dtype)), do, input_precision="ieee" if q.dtype == tl.float32 else "tf32")
     dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee" if q.dtype == tl.float32 else "tf32")
     return dk_acc, dv_acc
@@ -175,12 +187,13 @@ def _backward_kv_tile(
 
 @triton.jit
 def _backward_kv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
-    thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, ds_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr,
+    edges_ptr, thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len, scale, length_class,
+    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, STORE_DS: tl.constexpr, DQK: tl.constexpr,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dK and dV of a block of key rows: Σ over the query rows that attend to them."""
+    """dK and dV of a block of key rows: Σ over the query rows that attend to them; and
+    (STORE_DS) each tile's dS written into ds_ptr's buffer (score_grads.py)."""
     n0, h, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_N, HAS_TARGETS)
     if n0 >= n:
         return
@@ -190,9 +203,9 @@ def _backward_kv_kernel(
     first, full = _query_ranges(n0, n, history_end, context_len, BLOCK_M, BLOCK_N)
     for m0 in range(first, tl.minimum(full, n), BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
-            dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            True, False, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, q_ptr, do_ptr, ds_ptr, timestamps_ptr, start, t0, n,
+            history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
+            True, False, STORE_DS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     # the unmasked query blocks: the rest, then those to the last whose tiles span two buckets at most
     split, lo, hi, entry = _two_bucket_run(
@@ -200,9 +213,9 @@ def _backward_kv_kernel(
     )
     for m0 in range(full, split, BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
-            dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            False, False, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, q_ptr, do_ptr, ds_ptr, timestamps_ptr, start, t0, n,
+            history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
+            False, False, STORE_DS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     if TWO_BUCKET_TILES:
         last = (tl.cdiv(n, BLOCK_M) - 1) * BLOCK_M  # (the last query block: no extremes are read past it)
@@ -211,39 +224,14 @@ def _backward_kv_kernel(
             _, threshold, low, high = _tile_buckets(q_lo, q_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets)
             q_lo, q_hi = _tile_extremes(ext_ptr, entry, tl.minimum(m0 + BLOCK_M, last), BLOCK_M)
             dk_acc, dv_acc = _backward_kv_tile(
-                dk_acc, dv_acc, k, v, cols, t_cols, m0, q_ptr, do_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-                position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-                False, True, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+                dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, q_ptr, do_ptr, ds_ptr, timestamps_ptr, start, t0, n,
+                history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
+                False, True, STORE_DS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
             )
     dk_at, dk_mask = _head_rows(dk_ptr, start, cols, col_live, heads, h, DQK, BLOCK_DQK)
     tl.store(dk_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=dk_mask)
     dv_at, dv_mask = _head_rows(dv_ptr, start, cols, col_live, heads, h, DV, BLOCK_DV)
     tl.store(dv_at, dv_acc.to(dv_ptr.dtype.element_ty), mask=dv_mask)
-
-
-@triton.jit
-def _add_time_grads_by_runs(grad_ptr, ds, bucket, next_bucket):
-    """Adds each time bucket's sum of ds into grad_ptr, a row's pairs taken as runs of
-    equal buckets along the columns: a run's sum is the row's running sum at its last
-    column less that at the column before its first, so where the bucket changes the
-    running sum goes into the bucket that ends and out of the one that starts. bucket: -1
-    where a pair is not counted (its ds is 0); next_bucket: the next column's, -2 past
-    the tile's last. Where timestamps grow along a sequence a row's buckets fall in runs:
-    a tile makes two atomic adds per run and row, however many buckets it spans."""
-    run = tl.cumsum(ds, axis=1)
-    change = bucket != next_bucket
-    tl.atomic_add(grad_ptr + bucket, run, mask=change & (bucket >= 0), sem="relaxed")
-    tl.atomic_add(grad_ptr + next_bucket, -run, mask=change & (next_bucket >= 0), sem="relaxed")
-
-
-@triton.jit
-def _add_two_bucket_grads(grad_ptr, ds, upper, bucket, num_buckets):
-    """Adds the sums of ds over a tile's pairs of bucket `bucket` and of `bucket` + 1
-    (upper) into grad_ptr: summed along rows within each warp, then across warps in one
-    reduction."""
-    sums = tl.sum(tl.join(tl.sum(tl.where(upper, 0.0, ds), axis=1), tl.sum(tl.where(upper, ds, 0.0), axis=1)), axis=0)
-    at = bucket + tl.arange(0, 2)
-    tl.atomic_add(grad_ptr + at, sums, mask=at <= num_buckets, sem="relaxed")
 
 
 @triton.jit
@@ -265,23 +253,11 @@ def _backward_q_tile(
     else:  # (rows past the sequence's end have dS 0: they add nothing)
         counted = tl.broadcast_to(row_live[:, None], (rows.shape[0], BLOCK_N))
     if BIAS_GRADS:
-        # (copies of both gradients are the rows of one tensor: the two pointers are into its first row)
-        copy = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) % BIAS_GRAD_COPIES * (2 * max_seq_len + num_buckets)
-        tl.atomic_add(position_grad_ptr + copy + rel, ds, mask=counted, sem="relaxed")
-        if TWO_BUCKETS:  # (an unmasked tile: ds is 0 where not counted)
-            _add_two_bucket_grads(time_grad_ptr + copy, ds, bucket, tile_bucket, num_buckets)
-        else:
-            # each pair's next column's bucket (the tile's last column's next lies past it)
-            after = cols + 1
-            t_after = (tl.load(timestamps_ptr + start + after, mask=after < n, other=t0) - t0).to(tl.float64)
-            after_bucket = _gap_bucket(tl.abs(t_rows[:, None] - t_after[None, :]), edges_ptr, num_buckets)
-            if MASKED:
-                counted_after = _allowed(rows, after, n, history_end, context_len)
-            else:  # (every pair of a live row is counted)
-                counted_after = counted
-            after_bucket = tl.where(counted_after, after_bucket, -1)
-            after_bucket = tl.where((after == n0 + BLOCK_N)[None, :], -2, after_bucket)
-            _add_time_grads_by_runs(time_grad_ptr + copy, ds, tl.where(counted, bucket, -1), after_bucket)
+        copy = _bias_grad_copy(max_seq_len, num_buckets)
+        _add_bias_grads(
+            position_grad_ptr + copy, time_grad_ptr + copy, ds, rel, bucket, counted, rows, cols, t_rows, n0, timestamps_ptr,
+            start, t0, n, history_end, context_len, edges_ptr, num_buckets, tile_bucket, MASKED, TWO_BUCKETS, BLOCK_N,
+        )
     return dq_acc + tl.dot(ds.to(k.dtype), k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
 
 
@@ -332,7 +308,7 @@ def _backward_q_kernel(
 
 
 _forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["PAIR"]))
-_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
+_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["STORE_DS"]))
 # (adds into the biases' gradients: zeroed before each trial)
 _backward_q = TunedLaunches(autotuned(
     _backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY, reset_to_zero=["position_grad_ptr", "time_grad_ptr"]
@@ -352,13 +328,13 @@ def _two_bucket_tiles(max_seq_len: int) -> bool:
 _tables: dict = {}  # (num_buckets, device): the bucket edges and thresholds there (_time_tables)
 
 
-def _time_tables(time_bias: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int) -> tuple:
+def _time_tables(num_buckets: int, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int) -> tuple:
     """What the kernels read to bucket gaps: time_bucket_edges as float32,
     time_buckets.bucket_thresholds as float64 (both made once per number of buckets and
     device), and, where two-bucket tiles run (_two_bucket_tiles), the sequences'
     timestamp extremes per block with their blocks per sequence (else the thresholds and
     0, unread)."""
-    key = (time_bias.numel() - 1, time_bias.device)
+    key = (num_buckets, timestamps.device)
     if key not in _tables:
         _tables[key] = (
             torch.tensor(time_bucket_edges(key[0]), dtype=torch.float32, device=key[1]),
@@ -395,7 +371,7 @@ def hstu_attention(
     out = v.new_empty(v.shape)
     if out.numel() and programs:
         args = (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
-                *_time_tables(time_bias, offsets, timestamps, max_seq_len), heads, max_seq_len, time_bias.numel() - 1,
+                *_time_tables(time_bias.numel() - 1, offsets, timestamps, max_seq_len), heads, max_seq_len, time_bias.numel() - 1,
                 context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
         common = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), **dims)
         # two heads a program, which share the per-pair bias work, where the head count is
@@ -434,20 +410,108 @@ def hstu_attention_backward(
     copies = torch.zeros(BIAS_GRAD_COPIES if bias_grads else 1, sum(bias_sizes), dtype=torch.float32, device=q.device)
     position_grad, time_grad = copies.split(bias_sizes, dim=1)
     if q.shape[0] and programs:
-        targets = num_targets if num_targets is not None else offsets
-        edges, *buckets = _time_tables(time_bias, offsets, timestamps, max_seq_len)
+        num_buckets = time_bias.numel() - 1
+        tables = _time_tables(num_buckets, offsets, timestamps, max_seq_len)
         common = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), **dims)
-        sizes = (heads, max_seq_len, time_bias.numel() - 1, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
-        _backward_kv(
-            _grid("BLOCK_N", programs, max_seq_len),
-            (q, k, v, grad, dk, dvv, offsets, timestamps, targets, position_bias, time_bias, edges, *buckets, *sizes), common,
-        )
-        _backward_q(
-            _grid("BLOCK_M", programs, max_seq_len),
-            (q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, edges, position_grad, time_grad,
-             *buckets, *sizes),
-            dict(BIAS_GRADS=bias_grads, **common),
-        )
+        sizes = (heads, max_seq_len, num_buckets, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
+        sequences = offsets.numel() - 1
+        chunk = _score_grads_chunk(sequences, heads, max_seq_len, q.dtype)
+        if chunk == 0:  # dQ and the biases' gradients recomputed from the scores
+            targets = num_targets if num_targets is not None else offsets
+            _backward_kv(
+                _grid("BLOCK_N", programs, max_seq_len),
+                (q, k, v, grad, dk, dvv, dk, offsets, timestamps, targets, position_bias, time_bias, *tables, *sizes),
+                dict(STORE_DS=False, **common),
+            )
+            _backward_q(
+                _grid("BLOCK_M", programs, max_seq_len),
+                (q, k, v, grad, dq, offsets, timestamps, targets, position_bias, time_bias, tables[0], position_grad,
+                 time_grad, *tables[1:], *sizes),
+                dict(BIAS_GRADS=bias_grads, **common),
+            )
+        else:  # from the tiles' stored dS, `chunk` sequences at a time (score_grads.py)
+            ds = q.new_empty(chunk, heads, max_seq_len, max_seq_len)
+            for first in range(0, sequences, chunk):
+                part = _some_sequences(first, min(sequences, first + chunk), offsets, num_targets, tables)
+                part_offsets, part_targets, part_tables = part
+                _backward_kv(
+                    _grid("BLOCK_N", (part_offsets.numel() - 1) * heads, max_seq_len),
+                    (q, k, v, grad, dk, dvv, ds, part_offsets, timestamps, part_targets if part_targets is not None else
+                     part_offsets, position_bias, time_bias, *part_tables, *sizes),
+                    dict(STORE_DS=True, **common),
+                )
+                _launch_dq(ds, k, dq, part_offsets, timestamps, max_seq_len, part_targets, context_len)
+                if bias_grads:
+                    _launch_bias_grads(
+                        ds, part_offsets, timestamps, max_seq_len, num_buckets, part_targets, context_len, part_tables,
+                        position_grad, time_grad,
+                    )
     if not bias_grads:
         return dq, dk, dvv, None, None
     return dq, dk, dvv, *copies.sum(0).split(bias_sizes)
+
+
+def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torch.dtype) -> int:
+    """How many sequences the backward runs through the stored dS buffer at a time: 0,
+    none (it recomputes dQ and the biases' gradients), where one sequence's dS is larger
+    than SCORE_GRADS_BUFFER_BYTES."""
+    return min(sequences, SCORE_GRADS_BUFFER_BYTES // (heads * max_seq_len * max_seq_len * dtype.itemsize))
+
+
+def _some_sequences(first: int, last: int, offsets: torch.Tensor, num_targets: torch.Tensor | None, tables: tuple):
+    """(offsets, num_targets, _time_tables) of sequences first .. last - 1 alone: views, so
+    that a launch over them sees a batch of those."""
+    edges, thresholds, ext, ext_blocks = tables
+    if ext_blocks:  # (else ext is a placeholder, unread)
+        ext = ext[first:last]
+    return offsets[first:last + 1], None if num_targets is None else num_targets[first:last], (edges, thresholds, ext, ext_blocks)
+
+
+def _launch_dq(ds, k, dq, offsets, timestamps, max_seq_len, num_targets, context_len) -> None:
+    heads, dqk = k.shape[1], k.shape[2]
+    score_grads._dq(
+        lambda meta: (cdiv(max_seq_len, meta["BLOCK_M"]), (offsets.numel() - 1) * heads),
+        (ds, k, dq, offsets, timestamps, num_targets if num_targets is not None else offsets, heads, max_seq_len,
+         context_len, next_power_of_2(max_seq_len)),
+        dict(HAS_TARGETS=num_targets is not None, DQK=dqk, BLOCK_DQK=max(MIN_HEAD_DIM, next_power_of_2(dqk))),
+    )
+
+
+def _launch_bias_grads(
+    ds, offsets, timestamps, max_seq_len, num_buckets, num_targets, context_len, tables, position_grad, time_grad,
+) -> None:
+    """Adds into the copies position_grad and time_grad (views of the rows of one tensor)."""
+    score_grads._bias_grads(
+        lambda meta: (cdiv(max_seq_len, meta["BLOCK_M"]), offsets.numel() - 1),
+        (ds, offsets, timestamps, num_targets if num_targets is not None else offsets, tables[0], position_grad,
+         time_grad, *tables[1:], max_seq_len, num_buckets, context_len, next_power_of_2(max_seq_len)),
+        dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), HEADS=ds.shape[1]),
+    )
+
+
+def dq_from_score_grads(
+    ds: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int,
+    num_targets: torch.Tensor | None = None, context_len: int = 0,
+) -> torch.Tensor:
+    """(total, H, dqk) dQ from ds (B, H, max_seq_len, max_seq_len), each sequence's dS,
+    read only where a row attends (reference.dq_from_score_grads states it)."""
+    dq = torch.empty_like(k)
+    if k.shape[0] and offsets.numel() > 1:
+        _launch_dq(ds, k.contiguous(), dq, offsets, timestamps, max_seq_len, num_targets, context_len)
+    return dq
+
+
+def bias_grads_from_score_grads(
+    ds: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int, num_buckets: int,
+    num_targets: torch.Tensor | None = None, context_len: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d position_bias, d time_bias), float32, from ds as dq_from_score_grads reads it
+    (reference.bias_grads_from_score_grads states it)."""
+    sizes = [2 * max_seq_len - 1, num_buckets + 1]
+    copies = torch.zeros(BIAS_GRAD_COPIES, sum(sizes), dtype=torch.float32, device=ds.device)
+    if timestamps.numel() and offsets.numel() > 1:
+        _launch_bias_grads(
+            ds, offsets, timestamps, max_seq_len, num_buckets, num_targets, context_len,
+            _time_tables(num_buckets, offsets, timestamps, max_seq_len), *copies.split(sizes, dim=1),
+        )
+    return tuple(copies.sum(0).split(sizes))
