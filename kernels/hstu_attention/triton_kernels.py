@@ -460,7 +460,10 @@ def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torc
 
 def _some_sequences(first: int, last: int, offsets: torch.Tensor, num_targets: torch.Tensor | None, tables: tuple):
     """(offsets, num_targets, _time_tables) of sequences first .. last - 1 alone: views, so
-    that a launch over them sees a batch of those."""
+    that a launch over them sees a batch of those (the tensors themselves for all of them,
+    the common case, which makes no views)."""
+    if first == 0 and last == offsets.numel() - 1:
+        return offsets, num_targets, tables
     edges, thresholds, ext, ext_blocks = tables
     if ext_blocks:  # (else ext is a placeholder, unread)
         ext = ext[first:last]
