@@ -440,3 +440,17 @@ def test_dq_and_bias_grads_from_score_grads_match_the_twins(monkeypatch, dtype, 
     want = reference.bias_grads_from_score_grads(ds, *args, NUM_BUCKETS, num_targets, context_len)
     for g, w in zip(got, want):
         assert g.dtype == torch.float32 and g.shape == w.shape and close(g, w, 2e-5)
+
+
+def test_the_score_grads_buffer_takes_at_most_a_share_of_the_gpus_memory(monkeypatch):
+    """On a GPU the stored-dS buffer holds at most 1 / SCORE_GRADS_MEMORY_SHARE of its
+    memory: fewer sequences a pass on a small GPU, none (the recomputing path) where one
+    sequence's dS does not fit; elsewhere SCORE_GRADS_BUFFER_BYTES alone."""
+    one = 4 * 100 * 100 * 2  # a sequence's dS: 4 heads, max_seq_len 100, bfloat16
+    monkeypatch.setattr(triton_kernels, "_device_memory", lambda device: triton_kernels.SCORE_GRADS_MEMORY_SHARE * 3 * one)
+    chunk = triton_kernels._score_grads_chunk
+    assert chunk(10, 4, 100, torch.bfloat16, torch.device("cuda")) == 3
+    assert chunk(10, 4, 200, torch.bfloat16, torch.device("cuda")) == 0
+    assert chunk(10, 4, 200, torch.bfloat16, torch.device("cpu")) == 10
+    monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 2 * one)
+    assert chunk(10, 4, 100, torch.bfloat16, torch.device("cuda")) == 2

@@ -27,6 +27,8 @@ compute the mask. Timestamps enter as float64 offsets from the sequence's first 
 below 2^53 time units, so each pair's gap is one float64 subtraction that rounds to
 float32 as the twin's int64 gap does.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -57,11 +59,13 @@ LARGEST_BLOCK = max(max(c.kwargs.values()) for c in CONFIGS)  # the timestamp ex
 # per-program scan cost them more than those tiles save.
 TWO_BUCKET_MIN_LENGTH = 1024
 # The backward stores each tile's dS and takes dQ and the biases' gradients from it
-# (score_grads.py), the sequences run through a buffer of at most this many bytes, as many
-# at a time as fit (one pass where all do: a pass per few sequences leaves the GPU part
-# idle at the end of each); a batch whose one sequence's dS (heads · max_seq_len² entries)
-# does not fit is recomputed from the scores instead. 4 GiB holds B32 N4096 H4 in bfloat16.
+# (score_grads.py), the sequences run through a buffer of at most this many bytes, and at
+# most 1 / SCORE_GRADS_MEMORY_SHARE of the GPU's memory, as many sequences at a time as fit
+# (one pass where all do: a pass per few sequences leaves the GPU part idle at the end of
+# each); a batch whose one sequence's dS (heads · max_seq_len² entries) does not fit is
+# recomputed from the scores instead. 4 GiB holds B32 N4096 H4 in bfloat16.
 SCORE_GRADS_BUFFER_BYTES = 4 << 30
+SCORE_GRADS_MEMORY_SHARE = 16
 TUNING_KEY = ["DQK", "DV", "length_class"]  # length_class: max_seq_len's power of two
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
 
@@ -415,7 +419,7 @@ def hstu_attention_backward(
         common = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), **dims)
         sizes = (heads, max_seq_len, num_buckets, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
         sequences = offsets.numel() - 1
-        chunk = _score_grads_chunk(sequences, heads, max_seq_len, q.dtype)
+        chunk = _score_grads_chunk(sequences, heads, max_seq_len, q.dtype, q.device)
         if chunk == 0:  # dQ and the biases' gradients recomputed from the scores
             targets = num_targets if num_targets is not None else offsets
             _backward_kv(
@@ -451,11 +455,20 @@ def hstu_attention_backward(
     return dq, dk, dvv, *copies.sum(0).split(bias_sizes)
 
 
-def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torch.dtype) -> int:
+def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> int:
     """How many sequences the backward runs through the stored dS buffer at a time: 0,
     none (it recomputes dQ and the biases' gradients), where one sequence's dS is larger
-    than SCORE_GRADS_BUFFER_BYTES."""
-    return min(sequences, SCORE_GRADS_BUFFER_BYTES // (heads * max_seq_len * max_seq_len * dtype.itemsize))
+    than the buffer may be (SCORE_GRADS_BUFFER_BYTES, and on a GPU a share of its memory)."""
+    budget = SCORE_GRADS_BUFFER_BYTES
+    if device.type == "cuda":
+        budget = min(budget, _device_memory(device) // SCORE_GRADS_MEMORY_SHARE)
+    return min(sequences, budget // (heads * max_seq_len * max_seq_len * dtype.itemsize))
+
+
+@functools.cache
+def _device_memory(device: torch.device) -> int:
+    """The GPU's memory in bytes."""
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def _some_sequences(first: int, last: int, offsets: torch.Tensor, num_targets: torch.Tensor | None, tables: tuple):
