@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..autotune import TunedLaunches, autotuned
 from .bias_grads import _add_bias_grads, _bias_grad_copy
-from .tiles import _allowed, _head_rows, _key_ranges, _load_head_rows, _pair_buckets, _program_block, _two_bucket_run
+from .tiles import _counted, _head_rows, _key_ranges, _load_head_rows, _pair_buckets, _program_block, _two_bucket_run
 from .time_buckets import _tile_bucket, _tile_extremes
 
 # dQ's tiles: a product of a stored (BLOCK_M, BLOCK_N) dS tile with K's block; no per-pair work
@@ -51,6 +51,19 @@ def _score_grads_at(ds_ptr, b, h, heads, rows, cols, max_seq_len):
 
 
 @triton.jit
+def _dq_tile(
+    acc, ds_ptr, k_ptr, b, h, heads, rows, row_live, n0, start, n, history_end, context_len, max_seq_len,
+    MASKED: tl.constexpr, DQK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+):
+    """acc plus the stored dS of the key rows n0 .. n0 + BLOCK_N - 1 (read where counted) · K."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    counted = _counted(rows, row_live, cols, n, history_end, context_len, MASKED)
+    ds = tl.load(_score_grads_at(ds_ptr, b, h, heads, rows, cols, max_seq_len), mask=counted, other=0.0)
+    k = _load_head_rows(k_ptr, start, cols, cols < n, heads, h, DQK, BLOCK_DQK)
+    return acc + tl.dot(ds, k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
+
+
+@triton.jit
 def _dq_kernel(
     ds_ptr, k_ptr, dq_ptr, offsets_ptr, timestamps_ptr, targets_ptr, heads, max_seq_len, context_len, length_class,
     HAS_TARGETS: tl.constexpr, DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
@@ -64,17 +77,12 @@ def _dq_kernel(
     row_live = rows < n
     acc = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
-    for n0 in range(0, full, BLOCK_N):  # every pair of a live row is attended to
-        cols = n0 + tl.arange(0, BLOCK_N)
-        ds = tl.load(_score_grads_at(ds_ptr, b, h, heads, rows, cols, max_seq_len), mask=row_live[:, None], other=0.0)
-        k = _load_head_rows(k_ptr, start, cols, cols < n, heads, h, DQK, BLOCK_DQK)
-        acc += tl.dot(ds, k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
+    for n0 in range(0, full, BLOCK_N):
+        acc = _dq_tile(acc, ds_ptr, k_ptr, b, h, heads, rows, row_live, n0, start, n, history_end, context_len, max_seq_len,
+                       False, DQK, BLOCK_N, BLOCK_DQK)
     for n0 in range(full, end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        counted = _allowed(rows, cols, n, history_end, context_len)
-        ds = tl.load(_score_grads_at(ds_ptr, b, h, heads, rows, cols, max_seq_len), mask=counted, other=0.0)
-        k = _load_head_rows(k_ptr, start, cols, cols < n, heads, h, DQK, BLOCK_DQK)
-        acc += tl.dot(ds, k, input_precision="ieee" if k.dtype == tl.float32 else "tf32")
+        acc = _dq_tile(acc, ds_ptr, k_ptr, b, h, heads, rows, row_live, n0, start, n, history_end, context_len, max_seq_len,
+                       True, DQK, BLOCK_N, BLOCK_DQK)
     dq_at, dq_mask = _head_rows(dq_ptr, start, rows, row_live, heads, h, DQK, BLOCK_DQK)
     tl.store(dq_at, acc.to(dq_ptr.dtype.element_ty), mask=dq_mask)
 
@@ -86,10 +94,7 @@ def _bias_grad_tile(
     TWO_BUCKETS: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     cols = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        counted = _allowed(rows, cols, n, history_end, context_len)
-    else:  # (every pair of a live row is counted)
-        counted = tl.broadcast_to(row_live[:, None], (BLOCK_M, BLOCK_N))
+    counted = _counted(rows, row_live, cols, n, history_end, context_len, MASKED)
     ds = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for h in tl.static_range(HEADS):  # (unrolled: the heads' loads issue together)
         ds += tl.load(_score_grads_at(ds_ptr, b, h, HEADS, rows, cols, max_seq_len), mask=counted, other=0.0).to(tl.float32)

@@ -87,6 +87,15 @@ def _allowed(rows, cols, n, history_end, context_len):
 
 
 @triton.jit
+def _counted(rows, row_live, cols, n, history_end, context_len, MASKED: tl.constexpr):
+    """Which pairs of a tile count: _allowed's where the tile is MASKED, else (every pair
+    of a live row attended to) the live rows'."""
+    if MASKED:
+        return _allowed(rows, cols, n, history_end, context_len)
+    return tl.broadcast_to(row_live[:, None], (rows.shape[0], cols.shape[0]))
+
+
+@triton.jit
 def _sequence(offsets_ptr, targets_ptr, timestamps_ptr, b, HAS_TARGETS: tl.constexpr):
     """(start, length, history end, first timestamp) of sequence b."""
     start = tl.load(offsets_ptr + b)

@@ -41,7 +41,7 @@ from .bias_grads import BIAS_GRAD_COPIES, _add_bias_grads, _bias_grad_copy
 from .reference import time_bucket_edges
 from .score_grads import _score_grads_at
 from .tiles import (
-    _allowed, _attend, _biased_scores, _biases, _head_rows, _key_ranges, _load_head_rows, _program_block, _query_ranges,
+    _allowed, _attend, _biased_scores, _biases, _counted, _head_rows, _key_ranges, _load_head_rows, _program_block, _query_ranges,
     _row_block, _sigmoid, _two_bucket_run,
 )
 from .time_buckets import _tile_buckets, _tile_extremes, bucket_thresholds, timestamp_extremes
@@ -251,11 +251,9 @@ def _backward_q_tile(
         TWO_BUCKETS,
     )
     _, ds = _score_grads(s, do, v, scale)
-    if MASKED:
-        counted = _allowed(rows, cols, n, history_end, context_len)
+    counted = _counted(rows, row_live, cols, n, history_end, context_len, MASKED)
+    if MASKED:  # (else rows past the sequence's end have dS 0: they add nothing)
         ds = tl.where(counted, ds, 0.0)
-    else:  # (rows past the sequence's end have dS 0: they add nothing)
-        counted = tl.broadcast_to(row_live[:, None], (rows.shape[0], BLOCK_N))
     if BIAS_GRADS:
         copy = _bias_grad_copy(max_seq_len, num_buckets)
         _add_bias_grads(
