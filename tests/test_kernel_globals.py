@@ -1,7 +1,13 @@
-"""Every Triton kernel and helper under kernels/ reads only module globals that Triton's
-compiler accepts (constexprs, jitted functions, modules, triton.language objects). The
-interpreter, which runs the kernels in CI, accepts any global; the compiler refuses the
-others on a GPU ("Cannot access global variable")."""
+"""What Triton's compiler makes of every kernel under kernels/, checked without a GPU.
+
+Every Triton kernel and helper reads only module globals that the compiler accepts
+(constexprs, jitted functions, modules, triton.language objects). The interpreter, which
+runs the kernels in CI, accepts any global; the compiler refuses the others on a GPU
+("Cannot access global variable").
+
+No kernel specializes on a count that changes from call to call (a batch's rows): Triton
+compiles a kernel again for an int divisible by 16 or not, so the first batch of the other
+kind would compile one in the middle of training, on every rank's critical path."""
 import ast
 import importlib
 import inspect
@@ -23,8 +29,8 @@ def _python_function(k):
     return k
 
 
-def _jitted() -> list:
-    """The Python functions of every jitted function defined under kernels/."""
+def _jitted_objects() -> list:
+    """Every jitted function defined under kernels/, as Triton wraps it (once each)."""
     found = {}
     for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
         module = importlib.import_module(info.name)
@@ -32,8 +38,29 @@ def _jitted() -> list:
             if isinstance(value, KernelInterface):
                 fn = _python_function(value)
                 if fn.__module__ == info.name:
-                    found[fn.__qualname__, info.name] = fn
+                    found[fn.__qualname__, info.name] = value
     return list(found.values())
+
+
+def _jitted() -> list:
+    """The Python functions of every jitted function defined under kernels/."""
+    return [_python_function(k) for k in _jitted_objects()]
+
+
+def _jit_function(k):
+    """The jitted function itself (compiled or interpreted) under autotuners and heuristics."""
+    while not inspect.isfunction(k.fn):
+        k = k.fn
+    return k
+
+
+def _not_specialized(k) -> set[str]:
+    """The parameters a jitted function is told not to specialize on (by name or index)."""
+    jit = _jit_function(k)
+    names = (getattr(jit, "kwargs", None) or {}).get("do_not_specialize", None)
+    if names is None:
+        names = getattr(jit, "do_not_specialize", None) or []
+    return {jit.arg_names[n] if isinstance(n, int) else n for n in names}
 
 
 def _globals_read(fn) -> set[str]:
@@ -58,3 +85,19 @@ def test_kernels_read_only_globals_the_compiler_accepts():
         refused += [f"{fn.__module__}.{fn.__name__} reads {name}" for name in sorted(_globals_read(fn))
                     if name in scope and not _accepted(scope[name])]
     assert not refused, refused
+
+
+# the names kernels give a per-call count (lanes, rows, pairs)
+PER_CALL_COUNTS = {"n", "rows", "P"}
+
+
+def test_kernels_do_not_specialize_on_per_call_counts():
+    launched = [k for k in _jitted_objects() if _python_function(k).__name__.endswith("_kernel")]
+    assert len(launched) > 40
+    specialized = []
+    for k in launched:
+        counts = PER_CALL_COUNTS & set(_jit_function(k).arg_names)
+        fn = _python_function(k)
+        specialized += [f"{fn.__module__}.{fn.__name__} specializes on {name}"
+                        for name in sorted(counts - _not_specialized(k))]
+    assert not specialized, specialized

@@ -35,7 +35,7 @@ def _tile(first_row, rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     return r, live, c, in_row, r[:, None] * dim + c[None, :], live[:, None] & in_row[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # the row count changes with every batch
 def _forward_kernel(
     x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, rows, dim, eps,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -53,7 +53,7 @@ def _forward_kernel(
     tl.store(rstd_ptr + r, rstd, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _backward_kernel(
     grad_ptr, x_ptr, weight_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, rows, dim,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
