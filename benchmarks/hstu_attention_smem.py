@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hstu_attention_smem_sm<arch>.json)")
     args = p.parse_args()
     limit = LIMITS[args.arch]
+    by_descriptor = args.arch >= 10 * tk.DESCRIPTOR_STORE_MIN_CAPABILITY  # as the backward stores dS there
     rows = []
     print(f"sm_{args.arch}: at most {limit} bytes of shared memory a block")
     for dim in args.head_dims:
@@ -67,8 +68,8 @@ def main() -> None:
         kernels = [
             ("forward, one head", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=False)),
             ("forward, two heads", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=True)),
-            ("backward dK dV", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=False)),
-            ("backward dK dV, dS stored", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=True)),
+            ("backward dK dV", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=False, BY_DESCRIPTOR=False)),
+            ("backward dK dV, dS stored", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=True, BY_DESCRIPTOR=by_descriptor)),
             ("backward dQ", tk._backward_q_kernel, tk.CONFIGS, dict(attention, BIAS_GRADS=True)),
             ("dQ from stored dS", score_grads._dq_kernel, score_grads.DQ_CONFIGS, dict(HAS_TARGETS=False, DQK=dim, BLOCK_DQK=dim)),
         ]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels.hstu_attention import allowed_pairs, hstu_attention, reference, time_buckets, triton_kernels
+from kernels.hstu_attention import allowed_pairs, hstu_attention, reference, score_grads, time_buckets, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 4 if DEVICE == "cuda" else 1  # sequences and length on a GPU
@@ -218,8 +218,6 @@ def test_every_tuning_configuration_matches_the_twin(monkeypatch, stored):
     """Each configuration of the kernels of one backward: recomputing dQ from the scores
     (a buffer of no bytes), or from stored dS (score_grads.py, whose two kernels have
     configurations of their own, taken in step with the others')."""
-    from kernels.hstu_attention import score_grads
-
     if not stored:
         monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 0)
     tuned = [triton_kernels._forward, triton_kernels._backward_kv, triton_kernels._backward_q]
@@ -385,16 +383,19 @@ class _CountedLaunches:
 
 @pytest.mark.parametrize("lengths", LENGTHS[:2])
 @pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 0), (True, 3)])
-@pytest.mark.parametrize("two_buckets", [False, True])
-def test_backward_from_stored_score_grads_matches_the_twin(monkeypatch, lengths, targets, context_len, two_buckets):
+@pytest.mark.parametrize("two_buckets,by_descriptor", [(False, True), (True, True), (True, False)])
+def test_backward_from_stored_score_grads_matches_the_twin(monkeypatch, lengths, targets, context_len, two_buckets, by_descriptor):
     """The backward that stores each tile's dS and takes dQ and the biases' gradients from
     it (score_grads.py), at every length, through a buffer of three sequences (the buffer
-    is poisoned: an entry read that the dK dV kernel did not write shows as NaN). float16
-    on a GPU, where float32's exact products take minutes to compile."""
+    is poisoned: an entry read that the dK dV kernel did not write shows as NaN); dS stored
+    through tensor descriptors, or through pointers as on GPUs before Hopper. float16 on a
+    GPU, where float32's exact products take minutes to compile."""
     dtype = torch.float16 if DEVICE == "cuda" else torch.float32
     scaled = [n * SCALE for n in lengths] * SCALE  # (as the test below scales them)
     max_seq_len, heads = max(scaled + [1]) + 3, 2
-    monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 3 * heads * max_seq_len**2 * dtype.itemsize)
+    one_sequence = heads * max_seq_len * score_grads.score_grads_row_length(max_seq_len) * dtype.itemsize
+    monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 3 * one_sequence)
+    monkeypatch.setattr(triton_kernels, "_descriptor_stores", lambda device: by_descriptor)
     monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0 if two_buckets else 1 << 30)
     counted = _CountedLaunches(triton_kernels._launch_dq)
     monkeypatch.setattr(triton_kernels, "_launch_dq", counted)
@@ -446,7 +447,7 @@ def test_the_score_grads_buffer_takes_at_most_a_share_of_the_gpus_memory(monkeyp
     """On a GPU the stored-dS buffer holds at most 1 / SCORE_GRADS_MEMORY_SHARE of its
     memory: fewer sequences a pass on a small GPU, none (the recomputing path) where one
     sequence's dS does not fit; elsewhere SCORE_GRADS_BUFFER_BYTES alone."""
-    one = 4 * 100 * 100 * 2  # a sequence's dS: 4 heads, max_seq_len 100, bfloat16
+    one = 4 * 100 * 104 * 2  # a sequence's dS: 4 heads, max_seq_len 100 (rows of 104 entries), bfloat16
     monkeypatch.setattr(triton_kernels, "_device_memory", lambda device: triton_kernels.SCORE_GRADS_MEMORY_SHARE * 3 * one)
     chunk = triton_kernels._score_grads_chunk
     assert chunk(10, 4, 100, torch.bfloat16, torch.device("cuda")) == 3

@@ -1,6 +1,7 @@
 """The attention's backward from stored score gradients (dS): the dK dV kernel
 (triton_kernels._backward_kv_kernel with STORE_DS) writes each tile's dS, masked, in the
-inputs' dtype, into a buffer of (sequences, heads, max_seq_len, max_seq_len); from it
+inputs' dtype, into a buffer of (sequences, heads, max_seq_len, max_seq_len), each row
+padded to score_grads_row_length(max_seq_len) entries; from it
 
 - dQ of each head is a product of those tiles with K (_dq_kernel), as the recomputing dQ
   kernel's last step, without its scores, biases and masks per pair;
@@ -9,7 +10,11 @@ inputs' dtype, into a buffer of (sequences, heads, max_seq_len, max_seq_len); fr
   dQ kernel makes them once per head.
 
 Only pairs a row attends to are written (tiles._allowed), and only those are read: the
-rest of the buffer is never touched. The host (triton_kernels.hstu_attention_backward)
+rest of the buffer is never touched. On GPUs with the Tensor Memory Accelerator (compute
+capability 9 and later) the dK dV kernel stores each tile through a tensor descriptor of
+its sequence's (length, length) block: the tile leaves through shared memory in one bulk
+copy, clipped at the sequence's end, instead of a store per thread of the products'
+register layout. A descriptor's rows must start 16 bytes apart, hence the padded rows. The host (triton_kernels.hstu_attention_backward)
 runs the sequences through a buffer of bounded size, some sequences at a time.
 
 dS is stored in the inputs' dtype, as the products of dQ and dK take it; so the biases'
@@ -41,13 +46,34 @@ TUNING_KEY = ["DQK", "length_class"]  # length_class: max_seq_len's power of two
 BIAS_TUNING_KEY = ["HEADS", "length_class"]
 
 
+# a row of the buffer holds a multiple of this many entries: 16 bytes at 16 bits
+ROW_ALIGN = tl.constexpr(8)
+
+
+def score_grads_row_length(max_seq_len: int) -> int:
+    """Entries per row of the stored dS buffer: max_seq_len rounded up to ROW_ALIGN."""
+    return -(-max_seq_len // ROW_ALIGN.value) * ROW_ALIGN.value
+
+
+@triton.jit
+def _row_length(max_seq_len):
+    """score_grads_row_length in a kernel."""
+    return tl.cdiv(max_seq_len, ROW_ALIGN) * ROW_ALIGN
+
+
+@triton.jit
+def _score_grads_slot(ds_ptr, b, h, heads, max_seq_len):
+    """Where sequence b's dS of head h starts in the buffer, offset in int64 (a buffer of
+    SCORE_GRADS_BUFFER_BYTES may hold 2^31 entries)."""
+    return ds_ptr + (b * heads + h).to(tl.int64) * max_seq_len * _row_length(max_seq_len)
+
+
 @triton.jit
 def _score_grads_at(ds_ptr, b, h, heads, rows, cols, max_seq_len):
     """Pointers to dS of rows `rows` against columns `cols` of sequence b (its slot in the
-    buffer) and head h: the slot's offset in int64 (a buffer of SCORE_GRADS_BUFFER_BYTES
-    may hold 2^31 entries), the tile's within it in int32."""
-    slot = ds_ptr + (b * heads + h).to(tl.int64) * max_seq_len * max_seq_len
-    return slot + (rows * max_seq_len)[:, None] + cols[None, :]
+    buffer) and head h; the tile's offsets within the slot in int32."""
+    slot = _score_grads_slot(ds_ptr, b, h, heads, max_seq_len)
+    return slot + (rows * _row_length(max_seq_len))[:, None] + cols[None, :]
 
 
 @triton.jit

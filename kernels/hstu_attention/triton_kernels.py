@@ -39,7 +39,7 @@ from ..launch import cdiv, next_power_of_2
 from . import score_grads
 from .bias_grads import BIAS_GRAD_COPIES, _add_bias_grads, _bias_grad_copy
 from .reference import time_bucket_edges
-from .score_grads import _score_grads_at
+from .score_grads import _row_length, _score_grads_at, _score_grads_slot, score_grads_row_length
 from .tiles import (
     _allowed, _attend, _biased_scores, _biases, _counted, _head_rows, _key_ranges, _load_head_rows, _program_block, _query_ranges,
     _row_block, _sigmoid, _two_bucket_run,
@@ -66,6 +66,7 @@ TWO_BUCKET_MIN_LENGTH = 1024
 # recomputed from the scores instead. 4 GiB holds B32 N4096 H4 in bfloat16.
 SCORE_GRADS_BUFFER_BYTES = 4 << 30
 SCORE_GRADS_MEMORY_SHARE = 16
+DESCRIPTOR_STORE_MIN_CAPABILITY = 9  # the Tensor Memory Accelerator's: Hopper on
 TUNING_KEY = ["DQK", "DV", "length_class"]  # length_class: max_seq_len's power of two
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
 
@@ -166,11 +167,13 @@ def _score_grads(s, do, v, scale):
 
 @triton.jit
 def _backward_kv_tile(
-    dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, q_ptr, do_ptr, ds_ptr, timestamps_ptr, start, t0, n, history_end,
+    dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n, history_end,
     heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, STORE_DS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, STORE_DS: tl.constexpr, BY_DESCRIPTOR: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """dK and dV plus the query rows m0 .. m0 + BLOCK_M - 1's share; (STORE_DS) the tile's
+    dS into ds_out: the sequence's descriptor (BY_DESCRIPTOR), else the buffer's pointer."""
     rows, row_live, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
     s, _, _ = _biased_scores(
         q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
@@ -182,8 +185,11 @@ def _backward_kv_tile(
         a = tl.where(allowed, a, 0.0)
         ds = tl.where(allowed, ds, 0.0)
     if STORE_DS:  # (score_grads.py; masked pairs as 0, rows and columns past the sequence's end not written)
-        ds_at = _score_grads_at(ds_ptr, b, h, heads, rows, cols, max_seq_len)
-        tl.store(ds_at, ds.to(ds_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
+        if BY_DESCRIPTOR:
+            ds_out.store([m0, n0], ds.to(ds_out.dtype))
+        else:
+            ds_at = _score_grads_at(ds_out, b, h, heads, rows, cols, max_seq_len)
+            tl.store(ds_at, ds.to(ds_out.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
     dv_acc += tl.dot(tl.trans(a.to(do.dtype)), do, input_precision="ieee" if q.dtype == tl.float32 else "tf32")
     dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee" if q.dtype == tl.float32 else "tf32")
     return dk_acc, dv_acc
@@ -193,23 +199,32 @@ def _backward_kv_tile(
 def _backward_kv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, ds_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr,
     edges_ptr, thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, STORE_DS: tl.constexpr, DQK: tl.constexpr,
-    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, STORE_DS: tl.constexpr, BY_DESCRIPTOR: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """dK and dV of a block of key rows: Σ over the query rows that attend to them; and
-    (STORE_DS) each tile's dS written into ds_ptr's buffer (score_grads.py)."""
+    (STORE_DS) each tile's dS written into ds_ptr's buffer (score_grads.py), through a
+    tensor descriptor of the sequence's block of it where BY_DESCRIPTOR."""
     n0, h, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_N, HAS_TARGETS)
     if n0 >= n:
         return
     cols, col_live, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    if STORE_DS and BY_DESCRIPTOR:  # (tiles past the sequence's end are clipped at its length)
+        ds_out = tl.make_tensor_descriptor(
+            _score_grads_slot(ds_ptr, b, h, heads, max_seq_len), shape=[n, n], strides=[_row_length(max_seq_len), 1],
+            block_shape=[BLOCK_M, BLOCK_N],
+        )
+    else:
+        ds_out = ds_ptr
     first, full = _query_ranges(n0, n, history_end, context_len, BLOCK_M, BLOCK_N)
     for m0 in range(first, tl.minimum(full, n), BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
-            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, q_ptr, do_ptr, ds_ptr, timestamps_ptr, start, t0, n,
+            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
             history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            True, False, STORE_DS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            True, False, STORE_DS, BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     # the unmasked query blocks: the rest, then those to the last whose tiles span two buckets at most
     split, lo, hi, entry = _two_bucket_run(
@@ -217,9 +232,9 @@ def _backward_kv_kernel(
     )
     for m0 in range(full, split, BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
-            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, q_ptr, do_ptr, ds_ptr, timestamps_ptr, start, t0, n,
+            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
             history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            False, False, STORE_DS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            False, False, STORE_DS, BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     if TWO_BUCKET_TILES:
         last = (tl.cdiv(n, BLOCK_M) - 1) * BLOCK_M  # (the last query block: no extremes are read past it)
@@ -228,9 +243,9 @@ def _backward_kv_kernel(
             _, threshold, low, high = _tile_buckets(q_lo, q_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets)
             q_lo, q_hi = _tile_extremes(ext_ptr, entry, tl.minimum(m0 + BLOCK_M, last), BLOCK_M)
             dk_acc, dv_acc = _backward_kv_tile(
-                dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, q_ptr, do_ptr, ds_ptr, timestamps_ptr, start, t0, n,
+                dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
                 history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-                False, True, STORE_DS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+                False, True, STORE_DS, BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
             )
     dk_at, dk_mask = _head_rows(dk_ptr, start, cols, col_live, heads, h, DQK, BLOCK_DQK)
     tl.store(dk_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=dk_mask)
@@ -423,7 +438,7 @@ def hstu_attention_backward(
             _backward_kv(
                 _grid("BLOCK_N", programs, max_seq_len),
                 (q, k, v, grad, dk, dvv, dk, offsets, timestamps, targets, position_bias, time_bias, *tables, *sizes),
-                dict(STORE_DS=False, **common),
+                dict(STORE_DS=False, BY_DESCRIPTOR=False, **common),
             )
             _backward_q(
                 _grid("BLOCK_M", programs, max_seq_len),
@@ -432,7 +447,10 @@ def hstu_attention_backward(
                 dict(BIAS_GRADS=bias_grads, **common),
             )
         else:  # from the tiles' stored dS, `chunk` sequences at a time (score_grads.py)
-            ds = q.new_empty(chunk, heads, max_seq_len, max_seq_len)
+            ds = q.new_empty(chunk, heads, max_seq_len, score_grads_row_length(max_seq_len))
+            by_descriptor = _descriptor_stores(q.device)
+            if by_descriptor and q.is_cuda:  # (per thread: the backward may run on autograd's own)
+                triton.set_allocator(_descriptor_scratch)
             for first in range(0, sequences, chunk):
                 part = _some_sequences(first, min(sequences, first + chunk), offsets, num_targets, tables)
                 part_offsets, part_targets, part_tables = part
@@ -440,7 +458,7 @@ def hstu_attention_backward(
                     _grid("BLOCK_N", (part_offsets.numel() - 1) * heads, max_seq_len),
                     (q, k, v, grad, dk, dvv, ds, part_offsets, timestamps, part_targets if part_targets is not None else
                      part_offsets, position_bias, time_bias, *part_tables, *sizes),
-                    dict(STORE_DS=True, **common),
+                    dict(STORE_DS=True, BY_DESCRIPTOR=by_descriptor, **common),
                 )
                 _launch_dq(ds, k, dq, part_offsets, timestamps, max_seq_len, part_targets, context_len)
                 if bias_grads:
@@ -460,7 +478,34 @@ def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torc
     budget = SCORE_GRADS_BUFFER_BYTES
     if device.type == "cuda":
         budget = min(budget, _device_memory(device) // SCORE_GRADS_MEMORY_SHARE)
-    return min(sequences, budget // (heads * max_seq_len * max_seq_len * dtype.itemsize))
+    return min(sequences, budget // (heads * max_seq_len * score_grads_row_length(max_seq_len) * dtype.itemsize))
+
+
+def _descriptor_stores(device: torch.device) -> bool:
+    """Whether the dK dV kernel stores dS through tensor descriptors: on GPUs with the
+    Tensor Memory Accelerator, and under the interpreter (so that CI runs that path)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= DESCRIPTOR_STORE_MIN_CAPABILITY
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the tensor descriptors a kernel makes, which Triton asks for at
+    each launch of such a kernel (freed after it: later work on the stream comes after)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _score_grads_buffer(ds: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """ds (B, H, max_seq_len, max_seq_len) in the kernels' layout, rows of
+    score_grads_row_length(max_seq_len) entries: itself if a view of such a buffer, else a
+    copy (the padding unset)."""
+    b, h = ds.shape[:2]
+    row = score_grads_row_length(max_seq_len)
+    if ds.stride() == (h * max_seq_len * row, max_seq_len * row, row, 1):
+        return ds
+    padded = ds.new_empty(b, h, max_seq_len, row)
+    padded[..., :max_seq_len] = ds
+    return padded
 
 
 @functools.cache
@@ -511,7 +556,7 @@ def dq_from_score_grads(
     read only where a row attends (reference.dq_from_score_grads states it)."""
     dq = torch.empty_like(k)
     if k.shape[0] and offsets.numel() > 1:
-        _launch_dq(ds, k.contiguous(), dq, offsets, timestamps, max_seq_len, num_targets, context_len)
+        _launch_dq(_score_grads_buffer(ds, max_seq_len), k.contiguous(), dq, offsets, timestamps, max_seq_len, num_targets, context_len)
     return dq
 
 
@@ -525,7 +570,7 @@ def bias_grads_from_score_grads(
     copies = torch.zeros(BIAS_GRAD_COPIES, sum(sizes), dtype=torch.float32, device=ds.device)
     if timestamps.numel() and offsets.numel() > 1:
         _launch_bias_grads(
-            ds, offsets, timestamps, max_seq_len, num_buckets, num_targets, context_len,
+            _score_grads_buffer(ds, max_seq_len), offsets, timestamps, max_seq_len, num_buckets, num_targets, context_len,
             _time_tables(num_buckets, offsets, timestamps, max_seq_len), *copies.split(sizes, dim=1),
         )
     return tuple(copies.sum(0).split(sizes))
