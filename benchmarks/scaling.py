@@ -193,6 +193,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
+    from lightning_modules.callbacks import FrozenSetup
     from lightning_modules.config import preset
     from lightning_modules.data_module import SequenceDataModule
     from lightning_modules.flops import sequence_cost, step_flops, step_negatives
@@ -254,7 +255,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     trainer = L.Trainer(
         accelerator=accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), num_nodes=1, strategy=strategy,
         max_steps=args.warmup + 2 * args.steps, precision=precision_for(accelerator), logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[passes],
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[passes, FrozenSetup()],  # (as training has it)
     )
     trainer.fit(module, datamodule=data)
     plain_s, instrumented_s = passes.bounds[1] - passes.bounds[0], passes.bounds[2] - passes.bounds[1]

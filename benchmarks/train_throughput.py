@@ -13,6 +13,9 @@ synchronize and has none of its own between steps. On one CUDA device the model'
 and backward replay CUDA graphs (lightning_modules/cuda_graphs.py) unless
 `--cuda-graph-buckets 0`.
 
+The Trainer has training's FrozenSetup (the setup's objects out of the garbage
+collector's way); each row gives the collector's pauses in the timed steps (gc_pauses.py).
+
 FLOPs per step count the matrix products, by lightning_modules/flops.py's formula.
 MFU divides TFLOP/s by the device's dense bf16 peak (PEAK_TFLOPS; none on a CPU).
 Prints a table and writes JSON to benchmarks/results/.
@@ -39,8 +42,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gc_pauses import GcPauses  # noqa: E402
 from benchmarks.host_sections import HostSections  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
+from lightning_modules.callbacks import FrozenSetup  # noqa: E402
 from lightning_modules.config import PRESETS, preset  # noqa: E402
 from lightning_modules.data_module import SequenceDataModule  # noqa: E402
 from lightning_modules.datasets import prepare  # noqa: E402
@@ -92,6 +97,7 @@ class StepTimer(L.Callback):
         # Triton's kernels compiled in the timed steps are listed too
         self.count_syncs = count_syncs and device == "cuda"
         self.compiled: list[str] = []
+        self.gc = GcPauses()  # the collector's pauses in the timed steps
 
     def _on_compile(self, fn, **_) -> None:
         self.compiled.append(fn.name)
@@ -112,6 +118,7 @@ class StepTimer(L.Callback):
                 self.host_profiler.enable()
             if self.sections is not None:
                 self.sections.start()
+            self.gc.start()
             self.start = time.perf_counter()
         elif trainer.global_step > self.warmup:
             self.lengths.append(batch["input_offsets"].diff())  # no read back until the end
@@ -119,6 +126,7 @@ class StepTimer(L.Callback):
             if trainer.global_step == trainer.max_steps:
                 self._sync()
                 self.elapsed = time.perf_counter() - self.start
+                self.gc.stop()
                 if self.sections is not None:
                     self.sections.stop()
                 if self.host_profiler is not None:
@@ -170,7 +178,7 @@ def run(
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[timer],
+            callbacks=[timer, FrozenSetup()],  # (as training has it)
         )
         with warnings.catch_warnings(record=True) if timer.count_syncs else contextlib.nullcontext([]) as caught:
             if timer.count_syncs:
@@ -198,6 +206,8 @@ def run(
         print(f"\n{preset_name}: the timed steps' main thread (cProfile, {timer.steps} steps)\n{text.getvalue()}")
     if sections is not None:
         print(f"\n{preset_name}: host time per timed step by section (nested: each includes its callees)\n{sections.table(timer.steps)}")
+    pauses = timer.gc.summary(timer.steps)
+    print(f"{preset_name}: garbage collections in the timed steps {pauses}")
     sites = sync_sites(caught)
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     lengths = timer.input_lengths()
@@ -215,7 +225,7 @@ def run(
         "samples_per_s": sum(len(x) for x in lengths) / timer.elapsed,
         "positions_per_s": sum(int(x.sum()) for x in lengths) / timer.elapsed,
         "ms_per_step": 1000 * timer.elapsed / timer.steps, "TFLOPs": tflops, "MFU": tflops / peak if peak else None,
-        "embedding_rows": module.items.item_table.stats().size, "torch": torch.__version__,
+        "embedding_rows": module.items.item_table.stats().size, "torch": torch.__version__, "gc_pauses": pauses,
         **({"syncs_per_step": sum(sites.values()) / timer.steps, "sync_sites": dict(sites.most_common()),
             "compiled_in_timed_steps": timer.compiled} if timer.count_syncs else {}),
         **({"host_sections_ms": sections.per_step(timer.steps)} if sections is not None else {}),

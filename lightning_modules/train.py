@@ -19,7 +19,7 @@ import torch
 
 from . import model_files
 from .arguments import FRACTION, NON_NEGATIVE, POSITIVE, POSITIVE_NUMBER, at_least
-from .callbacks import EpochCheckpoint, Validation, latest_checkpoint
+from .callbacks import EpochCheckpoint, FrozenSetup, Validation, latest_checkpoint
 from .config import PRESETS, preset
 from .data_module import SequenceDataModule
 from .datasets import DataError, check_prepared
@@ -161,7 +161,7 @@ def main(argv=None) -> Path:
         logger=logger,
         log_every_n_steps=args.log_every or (GPU_LOG_EVERY if accelerator == "gpu" else 1),
         enable_checkpointing=False,
-        callbacks=[validation, checkpoints],  # in this order: see callbacks.py
+        callbacks=[validation, checkpoints, FrozenSetup()],  # validation before checkpoints: see callbacks.py
         enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=0,

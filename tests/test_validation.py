@@ -136,3 +136,50 @@ def test_the_trained_model_is_the_best_validated_checkpoint_and_same_seed_runs_r
                for o in (a, b)]
     assert metrics[0] == metrics[1]
     assert metrics[0]["model"]["ndcg@10"] == meta_a["best_val_ndcg@10"]  # the restored model is the best validated one
+
+
+class _Tiny(L.LightningModule):
+    """A model whose steps record how many objects the garbage collector holds frozen, and
+    which fails at step `fail_at` if given."""
+
+    def __init__(self, fail_at: int | None = None):
+        super().__init__()
+        self.layer, self.frozen, self.fail_at = torch.nn.Linear(4, 1), [], fail_at
+
+    def training_step(self, batch, batch_idx):
+        import gc
+
+        self.frozen.append(gc.get_freeze_count())
+        if batch_idx == self.fail_at:
+            raise RuntimeError("a step that fails")
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_objects_alive_when_training_starts_are_frozen_during_the_steps_and_unfrozen_after():
+    """FrozenSetup: the steps run with the objects of the setup (torch's, Lightning's, the
+    model's) in the collector's permanent generation, and none is left there after
+    training, whether it ends or fails."""
+    import gc
+
+    import pytest
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_modules.callbacks import FrozenSetup
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+    for fail_at in (None, 1):
+        model = _Tiny(fail_at)
+        trainer = L.Trainer(max_steps=3, callbacks=[FrozenSetup()], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        assert gc.get_freeze_count() == 0
+        if fail_at is None:
+            trainer.fit(model, loader)
+        else:
+            with pytest.raises(RuntimeError, match="a step that fails"):
+                trainer.fit(model, loader)
+        assert len(model.frozen) == (3 if fail_at is None else 2)
+        assert min(model.frozen) > 10_000  # the libraries' objects at least
+        assert gc.get_freeze_count() == 0
