@@ -14,8 +14,9 @@ rest of the buffer is never touched. On GPUs with the Tensor Memory Accelerator 
 capability 9 and later) the dK dV kernel stores each tile through a tensor descriptor of
 its sequence's (length, length) block: the tile leaves through shared memory in one bulk
 copy, clipped at the sequence's end, instead of a store per thread of the products'
-register layout. A descriptor's rows must start 16 bytes apart, hence the padded rows. The host (triton_kernels.hstu_attention_backward)
-runs the sequences through a buffer of bounded size, some sequences at a time.
+register layout. A descriptor's rows must start 16 bytes apart, hence the padded rows.
+The host (triton_kernels.hstu_attention_backward) runs the sequences through a buffer of
+bounded size, some sequences at a time.
 
 dS is stored in the inputs' dtype, as the products of dQ and dK take it; so the biases'
 gradients are sums of 16-bit dS for 16-bit inputs (relative error about 2e-3 against the
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import TunedLaunches, autotuned
+from ..launch import cdiv
 from .bias_grads import _add_bias_grads, _bias_grad_copy
 from .tiles import _counted, _head_rows, _key_ranges, _load_head_rows, _pair_buckets, _program_block, _two_bucket_run
 from .time_buckets import _tile_bucket, _tile_extremes
@@ -52,7 +54,7 @@ ROW_ALIGN = tl.constexpr(8)
 
 def score_grads_row_length(max_seq_len: int) -> int:
     """Entries per row of the stored dS buffer: max_seq_len rounded up to ROW_ALIGN."""
-    return -(-max_seq_len // ROW_ALIGN.value) * ROW_ALIGN.value
+    return cdiv(max_seq_len, ROW_ALIGN.value) * ROW_ALIGN.value
 
 
 @triton.jit

@@ -481,6 +481,7 @@ def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torc
     return min(sequences, budget // (heads * max_seq_len * score_grads_row_length(max_seq_len) * dtype.itemsize))
 
 
+@functools.cache
 def _descriptor_stores(device: torch.device) -> bool:
     """Whether the dK dV kernel stores dS through tensor descriptors: on GPUs with the
     Tensor Memory Accelerator, and under the interpreter (so that CI runs that path)."""
