@@ -43,6 +43,11 @@ class HSTUConfig:
     # on one CUDA device, the model's training forward and backward replay CUDA graphs, one
     # per bucket of padded row counts (this many, evenly spaced; 0: no graphs)
     cuda_graph_buckets: int = 4
+    # on a GPU, a step that runs the model without graphs pads its batch's rows up to a
+    # multiple of this, with padding rows the loss leaves out (row_padding.py): a row count
+    # cuBLAS has not seen costs the host milliseconds, and a jagged batch's total is new
+    # nearly every step (0: no padding)
+    row_multiple: int = 1024
     # each block's work around the attention (layer norms, SiLU, the split, the product
     # with U, dropout) through torch.compile: fewer passes over memory, a compilation at the
     # first step (hstu.py). Off by default: faster on one GPU, measured slower under 4

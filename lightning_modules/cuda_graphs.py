@@ -37,25 +37,7 @@ from torch import nn
 
 from .hstu import HSTU
 from .losses import catalog_softmax_loss, padded_catalog_softmax_loss
-
-
-def pad_jagged(
-    x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, rows: int, batch_slots: int, max_seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A jagged batch (x (P, D), timestamps (P,), offsets (B + 1,)) padded to `rows` rows
-    and batch_slots + ceil(rows / max_seq_len) sequences: the B sequences, then empty ones
-    up to batch_slots, then the padding rows (zeros, timestamp 0) in sequences of at most
-    max_seq_len rows (empty ones at the end). The offsets added depend on the shapes
-    alone: made on the host and copied without waiting (the host reads nothing back)."""
-    P, B = x.shape[0], offsets.numel() - 1
-    if P > rows or B > batch_slots:
-        raise ValueError(f"a batch of {B} sequences and {P} rows does not fit {batch_slots} sequences of {rows} rows")
-    pad_sequences = math.ceil(rows / max_seq_len)
-    # the first batch_slots - B offsets after the batch's stay at P (empty sequences), then
-    # each grows by max_seq_len until it reaches `rows`
-    tail = [min(rows, P + max_seq_len * max(0, k - (batch_slots - B))) for k in range(1, batch_slots - B + pad_sequences + 1)]
-    tail = torch.tensor(tail, dtype=offsets.dtype).to(offsets.device, non_blocking=True)  # (pageable: staged before it returns)
-    return F.pad(x, (0, 0, 0, rows - P)), F.pad(timestamps, (0, rows - P)), torch.cat([offsets, tail])
+from .row_padding import pad_jagged
 
 
 class _Captured(nn.Module):

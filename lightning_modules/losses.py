@@ -23,17 +23,20 @@ def sampled_softmax_loss(
     negative_emb: torch.Tensor,
     negative_ids: torch.Tensor,
     temperature: float,
+    real_rows: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of each target against shared sampled negatives, on cosine similarity.
 
     out (P, D) normalized outputs, target_emb (P, D), negative_emb (N, D); a negative equal
     to the position's own target is masked out. Equal to F.cross_entropy of
     [out · t, out · negativesᵀ (masked)] / temperature against label 0, without its
-    float32 copies of the (P, N) logits (kernels.sampled_softmax).
+    float32 copies of the (P, N) logits (kernels.sampled_softmax). real_rows: the loss of
+    the first real_rows rows alone, the rest padding that passes no gradient.
     """
     positive = (out * F.normalize(target_emb, dim=-1)).sum(-1)
     return sampled_softmax_cross_entropy(
         out / temperature, F.normalize(negative_emb, dim=-1), positive / temperature, negative_ids, target_ids,
+        real_rows=real_rows,
     )
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
@@ -34,6 +35,7 @@ from .hstu import HSTU, valid_mask
 from .item_embedding import ItemEmbedding
 from .item_features import ItemFeatures
 from .losses import catalog_softmax_loss, sampled_softmax_loss
+from .row_padding import pad_to_multiple
 from .sasrec import SASRec, SASRecConfig, bce_loss, catalog_indices, negatives_outside_history
 from .sigterm import defer_sigterm_broadcast
 from .step_graph import GraphedTrainingStep
@@ -41,10 +43,11 @@ from .step_graph import GraphedTrainingStep
 EMBEDDING_DUMP_KEY = "embedding_dump"
 
 
-def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
-    """A generator of its own for each run seed, step and rank: a step's draws differ
-    across ranks and steps, and repeat when the run is repeated or resumed."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+def step_generator(seed: int, step: int, rank: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator of its own for each run seed, step and rank, on `device`: a step's draws
+    differ across ranks and steps, and repeat when the run is repeated or resumed (on the
+    same kind of device: a CUDA generator draws other numbers than a CPU one)."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + step * 1009 + rank)
 
 
 def rows_gradient(rows: torch.Tensor, sources: torch.Tensor, x_grad: torch.Tensor, items_grad: torch.Tensor) -> torch.Tensor:
@@ -93,6 +96,9 @@ class HSTULightningModule(L.LightningModule):
         self.items: ItemEmbedding | None = None
         self.graphed: GraphedHSTU | None = None  # the model's CUDA graphs, where setup makes them
         self.step_graph: GraphedTrainingStep | None = None  # the whole step's, where _graphed_step makes them
+        # whether a step without graphs pads its rows to a multiple of config.row_multiple
+        # (row_padding.py); None: on a GPU, decided in setup
+        self.pad_rows: bool | None = None
         self._last_logged: float | None = None  # when _log_step last logged, and the samples trained since
         self._samples = 0
 
@@ -101,6 +107,8 @@ class HSTULightningModule(L.LightningModule):
         if self.items is None:
             self.items = self._new_items()
         c, trainer = self.config, self.trainer
+        if self.pad_rows is None:
+            self.pad_rows = trainer.strategy.root_device.type == "cuda"
         if self.graphed is None and c.cuda_graph_buckets and trainer.strategy.root_device.type == "cuda":
             # a graph's batch is one process's: batch_size counts the sequences of all of them
             self.graphed = GraphedHSTU(self.model, c.batch_size // trainer.world_size, c.cuda_graph_buckets)
@@ -120,13 +128,14 @@ class HSTULightningModule(L.LightningModule):
         """The step's negatives, shared by every position: the whole catalog when it has
         no more than num_negatives items (the loss is then the full softmax), else
         num_negatives distinct items drawn uniformly, different on every rank and step,
-        reproducible."""
+        reproducible. Drawn where the catalog is: a permutation of a catalog of a million
+        items takes the host about 5 ms, with the GPU waiting on it (train_throughput.md)."""
         n = self.config.num_negatives
         if n >= len(self.catalog):
             return self.catalog
-        g = step_generator(self.config.seed, self.global_step, self.global_rank)
-        idx = torch.randperm(len(self.catalog), generator=g)[:n]
-        return self.catalog[idx.to(self.catalog.device)]
+        device = self.catalog.device
+        g = step_generator(self.config.seed, self.global_step, self.global_rank, device)
+        return self.catalog[torch.randperm(len(self.catalog), generator=g, device=device)[:n]]
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # a jagged batch (data.jagged_batch): the model reads every row but each sequence's
@@ -156,9 +165,16 @@ class HSTULightningModule(L.LightningModule):
                 else:
                     loss = catalog_softmax_loss(self.model(*inputs), neg_rows, index, self.config.temperature)
                 return self._step(loss, looked, batch)
-        out = (self.graphed or self.model)(*inputs)  # (targets, D)
-        if targets.numel():
-            loss = sampled_softmax_loss(out, seq_rows[targets], ids[targets], neg_rows, negatives, self.config.temperature)
+        P = targets.numel()
+        if self.pad_rows and self.graphed is None and self.config.row_multiple:
+            inputs = pad_to_multiple(*inputs, self.config.row_multiple, self.config.max_seq_len)
+        out = (self.graphed or self.model)(*inputs)  # (P rows, then any padding rows, D)
+        if P:
+            pad = out.shape[0] - P
+            loss = sampled_softmax_loss(
+                out, F.pad(seq_rows[targets], (0, 0, 0, pad)), F.pad(ids[targets], (0, pad)), neg_rows, negatives,
+                self.config.temperature, real_rows=P,
+            )
         else:  # no targets here: a zero that still touches every weight, so DDP's all-reduce runs
             loss = out.sum() * 0.0 + sum(p.sum() for p in self.model.parameters()) * 0.0 + rows.sum() * 0.0
         return self._step(loss, looked, batch)

@@ -1,6 +1,6 @@
-"""The model's training forward and backward from CUDA graphs: the padding they need keeps
-every real row's output and every gradient (CPU), and the graphs replay what the model
-computes (GPU)."""
+"""The model's training forward and backward from CUDA graphs: the padded loss is the real
+rows' loss (CPU), and the graphs replay what the model computes (GPU). The padding itself:
+test_row_padding.py."""
 import os
 import signal
 import subprocess
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import sequence_batch
 
 from lightning_modules.config import HSTUConfig
-from lightning_modules.cuda_graphs import GraphedHSTU, pad_jagged
+from lightning_modules.cuda_graphs import GraphedHSTU
 from lightning_modules.data_module import SequenceDataModule
 from lightning_modules.datasets import prepare
 from lightning_modules.hstu import HSTU
@@ -29,47 +29,6 @@ TWO_PROCESS_TRAINING_S = 300  # one 8-step run takes about 90 s on an H200, star
 
 def batch(lengths, seed, device="cpu"):
     return tuple(t.to(device) for t in sequence_batch(lengths, CONFIG.embedding_dim, seed))
-
-
-@pytest.mark.parametrize("lengths,rows,slots", [([5, 12, 0, 3], 20, 4), ([5, 12, 0, 3], 47, 6), ([], 13, 2), ([12, 12], 24, 2)])
-def test_padding_makes_a_jagged_batch_of_fixed_shape_around_the_real_one(lengths, rows, slots):
-    x, ts, offsets = batch(lengths, seed=0)
-    px, pts, poff = pad_jagged(x, ts, offsets, rows, slots, CONFIG.max_seq_len)
-    pad_sequences = -(-rows // CONFIG.max_seq_len)
-    assert px.shape == (rows, CONFIG.embedding_dim) and pts.shape == (rows,) and poff.shape == (slots + pad_sequences + 1,)
-    assert torch.equal(poff[: len(offsets)], offsets) and int(poff[-1]) == rows
-    sizes = poff.diff()
-    assert (sizes >= 0).all() and (sizes <= CONFIG.max_seq_len).all()
-    assert (sizes[len(lengths) : slots] == 0).all()  # the batch's empty slots
-    assert torch.equal(px[: len(x)], x) and not px[len(x) :].any() and torch.equal(pts[: len(ts)], ts)
-
-
-def test_a_batch_that_does_not_fit_is_refused():
-    x, ts, offsets = batch([5, 7], seed=0)
-    with pytest.raises(ValueError, match="2 sequences and 12 rows"):
-        pad_jagged(x, ts, offsets, 11, 2, CONFIG.max_seq_len)
-    with pytest.raises(ValueError, match="does not fit 1 sequences"):
-        pad_jagged(x, ts, offsets, 20, 1, CONFIG.max_seq_len)
-
-
-def test_the_padded_batch_gives_the_real_rows_outputs_and_gradients():
-    """The model on the padded batch, its padding rows' outputs dropped, is the model on the
-    batch itself: outputs, input gradients and weight gradients (the twin on a CPU)."""
-    model = HSTU(CONFIG).double()
-    x, ts, offsets = batch([5, 12, 0, 1, 9], seed=1)
-    x = x.double().requires_grad_(True)
-    weight = torch.randn(x.shape[0], CONFIG.embedding_dim, dtype=torch.float64)
-    plain = model(x, ts, offsets)
-    (plain * weight).sum().backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    want_x, x.grad = x.grad.clone(), None
-    model.zero_grad()
-    padded = model(*pad_jagged(x, ts, offsets, 40, 7, CONFIG.max_seq_len))[: x.shape[0]]
-    (padded * weight).sum().backward()
-    torch.testing.assert_close(padded, plain)
-    torch.testing.assert_close(x.grad, want_x)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], msg=n)
 
 
 @pytest.mark.parametrize("real", [13, 20, 1])

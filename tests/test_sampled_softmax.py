@@ -130,3 +130,29 @@ def test_bad_shapes_and_ids_are_refused():
         sampled_softmax_cross_entropy(q, keys, positive, key_ids.int(), row_ids)
     with pytest.raises(ValueError, match="row_ids"):
         sampled_softmax_cross_entropy(q, keys, positive, key_ids, row_ids[:1])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_padding_rows_after_real_rows_change_neither_the_loss_nor_the_gradients(backend):
+    """real_rows: the loss of a batch with padding rows after its real ones (any values,
+    here large ones whose logits would dominate a mean) is that of the real rows alone, the
+    real rows' and the keys' gradients are theirs, and the padding rows get zero gradients."""
+    real, pad = 23 * SCALE, 9 * SCALE
+    q, keys, positive, key_ids, row_ids = case(5, real + pad, 60 * SCALE, 16, torch.float32)
+    q[real:] *= 40
+    upstream = torch.tensor(1.5, device=DEVICE)
+    unpadded = loss_and_grads(backend, q[:real], keys, positive[:real], key_ids, row_ids[:real], upstream=upstream)
+    padded = loss_and_grads(
+        lambda *a: sampled_softmax_cross_entropy(*a, backend=backend, real_rows=real), q, keys, positive, key_ids, row_ids,
+        upstream=upstream,
+    )
+    torch.testing.assert_close(padded[0], unpadded[0])
+    torch.testing.assert_close(padded[1][:real], unpadded[1])
+    torch.testing.assert_close(padded[2], unpadded[2])
+    torch.testing.assert_close(padded[3][:real], unpadded[3])
+    assert not padded[1][real:].any() and not padded[3][real:].any()
+    everything = sampled_softmax_cross_entropy(q, keys, positive, key_ids, row_ids, backend=backend)
+    assert not torch.allclose(everything, unpadded[0])  # the padding rows would have counted
+    assert sampled_softmax_cross_entropy(q, keys, positive, key_ids, row_ids, backend=backend, real_rows=0).isnan()
+    with pytest.raises(ValueError, match="real_rows"):
+        sampled_softmax_cross_entropy(q, keys, positive, key_ids, row_ids, backend=backend, real_rows=real + pad + 1)
