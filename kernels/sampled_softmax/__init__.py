@@ -25,7 +25,7 @@ class _SampledSoftmaxCE(torch.autograd.Function):
             grad_logits = q_mm @ keys_mm.T  # the logits, then (softmax_rows) the summed losses' gradient by them
             # (the padding rows' logits become a zero gradient, and their positives' too)
             loss, grad_positive = softmax_rows(grad_logits[:real_rows], positive[:real_rows], key_ids, row_ids[:real_rows])
-            grad_logits[real_rows:] = 0
+            grad_logits[real_rows:].zero_()
             grad_positive = F.pad(grad_positive, (0, q.shape[0] - real_rows))
         ctx.save_for_backward(grad_logits, q_mm, keys_mm, grad_positive)
         ctx.dtypes = q.dtype, keys.dtype, positive.dtype
