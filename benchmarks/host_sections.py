@@ -32,6 +32,7 @@ TRAINING_STEP_SECTIONS = (
     ("kernels.dynamic_embedding.table_group", "gather_embeddings", "  rows gathered"),
     ("lightning_modules.step_graph", "GraphedTrainingStep.__call__", "step graph: inputs copied, replay"),
     ("lightning_modules.module", "rows_gradient", "rows' gradient from the graph's"),
+    ("lightning_modules.module", "catalog_rows_gradient", "catalog rows' gradient from the graph's (several processes)"),
     ("lightning_modules.module", "HSTULightningModule._step", "_step: updates and logs"),
     ("lightning.pytorch.core.optimizer", "LightningOptimizer.step", "  optimizer step (no gradient: a count)"),
     ("lightning_modules.item_embedding", "ItemEmbedding.apply_gradients", "  item table: update"),

@@ -61,6 +61,14 @@ def rows_gradient(rows: torch.Tensor, sources: torch.Tensor, x_grad: torch.Tenso
     return grad
 
 
+def catalog_rows_gradient(at: torch.Tensor, sources: torch.Tensor, x_grad: torch.Tensor, items_grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of the catalog's looked-up rows where the batch's rows are gathered from
+    them (rows = cat([catalog rows[at], catalog rows]), x = rows[sources]), from those of x
+    and of the catalog's rows: one launch, where autograd's backward of the gather and the
+    concatenation is a dozen (each with its host dispatch) and a sort."""
+    return items_grad.index_add(0, at[sources], x_grad.to(items_grad.dtype))
+
+
 def count_optimizer_step(opt) -> None:
     """Counts an optimizer step that a step graph made, as a LightningOptimizer's step()
     counts one (Lightning's global step under manual optimization), without the step:
@@ -142,7 +150,7 @@ class HSTULightningModule(L.LightningModule):
         # last, and row r's output predicts row r + 1
         ids, sources = batch["item_ids"], batch["input_rows"]
         negatives = self.sample_negatives()
-        looked, rows = self._look_up(ids, negatives)
+        looked, rows, at = self._look_up(ids, negatives)
         seq_rows, neg_rows = rows[: ids.numel()], rows[ids.numel() :]
         inputs = (seq_rows[sources], batch["timestamps"][sources], batch["input_offsets"])
         targets = sources + 1
@@ -153,11 +161,14 @@ class HSTULightningModule(L.LightningModule):
             done = step_graph(*inputs, neg_rows, index, self.config.temperature) if step_graph is not None else None
             if done is not None:  # the whole step replayed: the weights are updated
                 loss, x_grad, emb_grad = done
-                grad = rows_gradient(rows, sources, x_grad, emb_grad)
-                if rows.is_leaf and rows.grad is None:  # the item rows alone: what backward would leave in .grad
-                    rows.grad = grad
+                if at is None:
+                    looked_rows, grad = rows, rows_gradient(rows, sources, x_grad, emb_grad)
+                else:  # the batch's rows were gathered from the catalog's: straight to those
+                    looked_rows, grad = looked.embeddings, catalog_rows_gradient(at, sources, x_grad, emb_grad)
+                if looked_rows.is_leaf and looked_rows.grad is None:  # the item rows alone: what backward would leave in .grad
+                    looked_rows.grad = grad
                 else:  # through the pooled genres too
-                    rows.backward(grad)
+                    looked_rows.backward(grad)
                 return self._step(loss, looked, batch, dense_done=True)
             if targets.numel():
                 if self.graphed is not None:
@@ -185,14 +196,16 @@ class HSTULightningModule(L.LightningModule):
         processes with the catalog as negatives, the catalog alone is looked up, as a static
         lookup (its routing kept: no wait for the exchange's counts), and the batch's rows
         are gathered from its rows: the tables see the same distinct ids as a lookup of
-        both (every training item is in the catalog, checked without a wait)."""
+        both (every training item is in the catalog, checked without a wait). The third
+        value: each batch item's place in the catalog where its row was gathered so, else
+        None."""
         if negatives is not self.catalog or self.trainer.world_size == 1:
             looked = self.items.lookup(torch.cat([ids, negatives]), train=True)
-            return looked, looked.embeddings
+            return looked, looked.embeddings, None
         looked = self.items.lookup(self.catalog, train=True, static=True)
         at = torch.searchsorted(self.catalog, ids).clamp_(max=len(self.catalog) - 1)
         torch._assert_async((self.catalog[at] == ids).all(), "a training item is not in the catalog")
-        return looked, torch.cat([looked.embeddings[at], looked.embeddings])
+        return looked, torch.cat([looked.embeddings[at], looked.embeddings]), at
 
     def _graphed_step(self) -> GraphedTrainingStep | None:
         """The step graphs, where the model has graphs and the loss is the full softmax

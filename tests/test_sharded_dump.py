@@ -471,7 +471,8 @@ def _catalog_lookups(rank, world, out):
             ids = catalog[torch.randint(len(catalog), (30,), generator=g)]
             weights = torch.randn(len(ids) + len(catalog), config.embedding_dim, generator=g)
             if mode == "static":
-                looked, rows = HSTULightningModule._look_up(SimpleNamespace(**vars(step), items=items), ids, catalog)
+                looked, rows, at = HSTULightningModule._look_up(SimpleNamespace(**vars(step), items=items), ids, catalog)
+                assert torch.equal(catalog[at], ids)
             else:
                 looked = items.lookup(torch.cat([ids, catalog]), train=True)
                 rows = looked.embeddings

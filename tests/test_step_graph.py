@@ -12,7 +12,7 @@ from lightning_modules.config import HSTUConfig
 from lightning_modules.cuda_graphs import GraphedHSTU
 from lightning_modules.hstu import HSTU
 from lightning_modules.losses import catalog_softmax_loss
-from lightning_modules.module import rows_gradient
+from lightning_modules.module import catalog_rows_gradient, rows_gradient
 from lightning_modules.step_graph import GraphedTrainingStep, average_gradients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,3 +148,21 @@ def test_the_rows_gradient_is_autograds():
     got = rows_gradient(rows, sources, x_grad, items_grad)
     torch.testing.assert_close(got, rows.grad, rtol=0, atol=0)
     assert not got[[3, 7, 10]].any()
+
+
+def test_the_catalog_rows_gradient_is_autograds():
+    """module.catalog_rows_gradient against autograd's backward of the gather and the
+    concatenation the training step makes under several processes: rows = the catalog's
+    rows at the batch's items, then the catalog's rows; x = rows[sources]."""
+    gen = torch.Generator().manual_seed(1)
+    catalog, dim = 6, 4
+    emb = torch.randn(catalog, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    at = torch.tensor([5, 0, 0, 3, 2, 2, 2, 1, 4, 0, 5])  # the batch's 11 items, repeats included
+    sources = torch.tensor([0, 1, 2, 4, 5, 8, 9])
+    rows = torch.cat([emb[at], emb])
+    x, items = rows[: len(at)][sources], rows[len(at) :]
+    x_grad, items_grad = torch.randn(x.shape, generator=gen, dtype=torch.float64), torch.randn(items.shape, generator=gen, dtype=torch.float64)
+    torch.autograd.backward((x, items), (x_grad, items_grad))
+    got = catalog_rows_gradient(at, sources, x_grad, items_grad)
+    torch.testing.assert_close(got, emb.grad)
+    assert not torch.equal(got, items_grad)  # the batch's rows did add
