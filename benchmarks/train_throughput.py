@@ -152,10 +152,11 @@ def run(
     device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
     cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2, whole_item_table: int | None = None,
     compile_blocks: bool | None = None, host_profile: bool = False, layer_norm_kernel: bool | None = None, host_sections: bool = False,
+    row_multiple: int | None = None,
 ) -> dict:
     config = preset(preset_name).override(
         batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets, compile_blocks=compile_blocks, embedding_capacity=whole_item_table,
-        layer_norm_kernel=layer_norm_kernel,
+        layer_norm_kernel=layer_norm_kernel, row_multiple=row_multiple,
         embedding_max_capacity=whole_item_table,
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,7 +219,7 @@ def run(
     return {
         "device": device, "device_name": name, "threads": torch.get_num_threads(), "preset": preset_name,
         "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
-        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "compile_blocks": config.compile_blocks,
+        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "compile_blocks": config.compile_blocks, "row_multiple": config.row_multiple,
         "layer_norm_kernel": config.layer_norm_kernel,
         "embedding_capacity": config.embedding_capacity, "embedding_max_capacity": config.embedding_max_capacity, "users": users, "workers": workers,
         "timed_steps": timer.steps, "seconds": timer.elapsed,
@@ -242,6 +243,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--workers", type=int, default=2, help="data loader worker processes")
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
+    p.add_argument("--row-multiple", type=int, help="a step without graphs pads its rows up to a multiple of this (0: none; default: the preset's)")
     p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' work around the attention through torch.compile (default: the preset's)")
     p.add_argument("--layer-norm-kernel", action=argparse.BooleanOptionalAction, default=None,
@@ -257,7 +259,8 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     rows = [
         run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets, args.count_syncs,
-            args.workers, args.whole_item_table, args.compile_blocks, args.host_profile, args.layer_norm_kernel, args.host_sections)
+            args.workers, args.whole_item_table, args.compile_blocks, args.host_profile, args.layer_norm_kernel, args.host_sections,
+            args.row_multiple)
         for name in args.preset
     ]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")

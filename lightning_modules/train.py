@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--cuda-graph-buckets", type=NON_NEGATIVE,
                    help="on GPUs, CUDA graphs of the model's training step, one per bucket of padded rows (0: none; default: the preset's)")
+    p.add_argument("--row-multiple", type=NON_NEGATIVE,
+                   help="on GPUs, a step the graphs do not serve pads its rows up to a multiple of this (0: none; default: the preset's)")
     p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="each block's work around the attention through torch.compile (default: the preset's setting)")
     p.add_argument("--layer-norm-kernel", action=argparse.BooleanOptionalAction, default=None,
@@ -94,6 +96,7 @@ def model_config(args, catalog_size: int):
         return SASRecConfig(num_items=catalog_size, **{k: v for k, v in given.items() if v is not None})
     return preset(args.preset).override(
         num_negatives=args.num_negatives, item_features=args.item_features, cuda_graph_buckets=args.cuda_graph_buckets,
+        row_multiple=args.row_multiple,
         compile_blocks=args.compile_blocks, layer_norm_kernel=args.layer_norm_kernel, ddp_step_graph=args.ddp_step_graph, **given
     )
 

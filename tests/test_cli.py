@@ -86,11 +86,15 @@ def test_a_history_is_item_ids_between_commas():
 
 
 def test_the_training_workers_counts_are_checked_too():
-    from lightning_modules.train import parse_args
+    from lightning_modules.config import HSTUConfig
+    from lightning_modules.train import model_config, parse_args
 
     assert parse_args(["--data-dir", "d", "--out-dir", "o", "--loader-workers", "0", "--max-steps", "-1"]).loader_workers == 0
     assert parse_args(["--data-dir", "d", "--out-dir", "o", "--dropout", "0", "--lr", "1e-3"]).dropout == 0.0
-    for flag, value in (("--batch-size", "0"), ("--epochs", "-1"), ("--patience", "-1"), ("--log-every", "0"), ("--lr", "0"),
+    args = parse_args(["--data-dir", "d", "--out-dir", "o", "--preset", "hstu-long", "--row-multiple", "0"])
+    assert model_config(args, 100).row_multiple == 0  # the flag reaches the config
+    assert model_config(parse_args(["--data-dir", "d", "--out-dir", "o"]), 100).row_multiple == HSTUConfig().row_multiple
+    for flag, value in (("--batch-size", "0"), ("--row-multiple", "-1"), ("--epochs", "-1"), ("--patience", "-1"), ("--log-every", "0"), ("--lr", "0"),
                         ("--dropout", "1.0"), ("--dropout", "x"), ("--checkpoint-minutes", "-5")):
         with pytest.raises(SystemExit):
             parse_args(["--data-dir", "d", "--out-dir", "o", flag, value])
