@@ -260,11 +260,14 @@ class HSTULightningModule(L.LightningModule):
         step metrics); the others are numbers on the host already, handed to the loggers
         at the step Lightning logs the loss at: self.log would copy each to the device and
         update a metric object there, host time that the logged steps' GPU waits for
-        (benchmarks/train_throughput.md)."""
+        (benchmarks/train_throughput.md). The loss goes to self.log as a host copy (the
+        logged step's one wait): Lightning reads the progress bar's values back at every
+        step until the epoch ends, and a read of a device tensor would make every step
+        after the first logged one wait for the device."""
         self._samples += batch_size * self.trainer.world_size
         if self.global_step % max(1, self.trainer.log_every_n_steps):
             return
-        self.log(LOSS, loss.detach(), prog_bar=True, on_step=True, batch_size=batch_size)
+        self.log(LOSS, loss.detach().float().cpu(), prog_bar=True, on_step=True, batch_size=batch_size)
         now = time.perf_counter()
         values = {}
         if self._last_logged is not None:

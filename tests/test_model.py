@@ -1,4 +1,6 @@
 """The HSTU model, the loss, the metrics, and a training step on an empty batch."""
+import warnings
+
 import lightning as L
 import numpy as np
 import pytest
@@ -6,6 +8,7 @@ import torch
 from conftest import sequence_batch
 from lightning.pytorch.loggers import Logger
 
+from lightning_modules.callbacks import LOSS
 from lightning_modules.config import HSTUConfig, preset
 from lightning_modules.data import PackedBatch, jagged_batch, padded, unpacked
 from lightning_modules.data_module import SequenceDataModule
@@ -228,6 +231,35 @@ def test_the_loss_and_the_tables_statistics_reach_the_loggers_at_the_same_steps(
     assert steps["train/samples_per_s"] == [3, 5]  # (a rate needs a logged step before)
     logged_sizes = [m["emb/size"] for _, m in logger.calls if "emb/size" in m]
     assert logged_sizes == [float(sizes[1]), float(sizes[3]), float(sizes[5])] and logged_sizes[0] < logged_sizes[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a wait for the device needs a device")
+def test_steps_after_a_logged_one_make_lightning_wait_for_nothing():
+    """Lightning reads the progress bar's values (the logged loss) back at every step until
+    the epoch ends: from the loss's host copy, so the steps after a logged one do not wait
+    for the GPU there. Between steps (from the callbacks' batch end to the next batch's
+    start, its pinned batch's copy included) Lightning makes no synchronizing call."""
+    module = HSTULightningModule(SMALL, catalog=torch.arange(100, 130))
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            torch.cuda.set_sync_debug_mode("default")
+
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=6, logger=False, log_every_n_steps=4, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Watch()])
+    batches = [jagged_batch([(np.arange(100 + 3 * i, 108 + 3 * i), np.arange(8))]) for i in range(6)]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None, pin_memory=True))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert trainer.global_step == 6 and LOSS in trainer.callback_metrics  # logged at steps 0 and 4
+    waits = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message) and "lightning" in w.filename]
+    assert not waits, waits
 
 
 def test_a_step_counted_without_stepping_advances_lightnings_global_step():
