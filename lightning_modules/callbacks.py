@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from kernels.files import fsync_path
 
 from .evaluate import catalog_of, evaluate_rankers, whole_histories
+from .rank_zero_flag import DeferredFlag
 
 CHECKPOINT_PATTERNS = ("epoch=*.ckpt", "step=*.ckpt")  # each epoch's; the newest within an epoch
 DUMP_PATTERN = "embeddings-step-*"
@@ -97,7 +98,8 @@ class EpochCheckpoint(Callback):
 
     Within an epoch, every `every_steps` steps or `every_minutes` minutes (whichever comes
     first; None: never) it also saves `step=S.ckpt` the same way, keeping only the newest:
-    a job killed mid-epoch resumes from there (latest_checkpoint)."""
+    a job killed mid-epoch resumes from there (latest_checkpoint). Rank 0's clock decides
+    for every rank; under several processes at the step after it says so."""
 
     def __init__(
         self, directory: Path, validation: Validation | None = None, keep: int = 2,
@@ -108,6 +110,7 @@ class EpochCheckpoint(Callback):
         self.best_name: str | None = None
         self.dumps: dict[str, str] = {}  # checkpoint name -> the embedding dump it names
         self._last_save = time.monotonic()
+        self._clock: DeferredFlag | None = None  # rank 0's clock under several processes
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         """Removes what a job killed mid-checkpoint left: hidden partial files and dump
@@ -130,12 +133,20 @@ class EpochCheckpoint(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step
         due = bool(self.every_steps) and step % self.every_steps == 0
+        several = trainer.world_size > 1
         if self.every_minutes:
-            # rank 0's clock decides, so that every rank saves at the same step
-            late = trainer.strategy.broadcast(time.monotonic() - self._last_save >= 60 * self.every_minutes)
-            due = due or late
+            # rank 0's clock decides, so that every rank saves at the same step; under several
+            # processes a step late (rank_zero_flag.py), so that no step waits for the GPU
+            if several and self._clock is None:
+                self._clock = DeferredFlag(trainer.strategy.root_device)
+            due = due or (self._clock.read() if several else self._clock_due())
         if due and step > 0:
             self._save(trainer, module, self.directory / f"step={step:08d}.ckpt")
+        if self.every_minutes and several:  # (after any save: its time restarts the clock)
+            self._clock.post(self._clock_due())
+
+    def _clock_due(self) -> bool:
+        return time.monotonic() - self._last_save >= 60 * self.every_minutes
 
     def _save(self, trainer: L.Trainer, module: L.LightningModule, final: Path) -> None:
         dump = getattr(module, "dump_name", lambda: None)()

@@ -8,16 +8,16 @@ the queue of kernels the host keeps ahead of the GPU drains, and then the GPU id
 the host launches the next step (Lightning-AI/pytorch-lightning#21487). For a step of a
 few milliseconds that is most of the cost of going from one GPU to several.
 
-DeferredSigtermBroadcast keeps the agreement one step later instead: each step broadcasts
-rank 0's flag and copies it to pinned host memory without waiting; the next step reads
-that copy (waiting, if at all, for the step before's broadcast, long done by then), and
-every rank that reads a set flag stops, all at the same step.
+DeferredSigtermBroadcast keeps the agreement one step later instead (rank_zero_flag.py):
+each step broadcasts rank 0's flag without waiting, the next step reads it, and every
+rank that reads a set flag stops, all at the same step.
 """
 import contextlib
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from .rank_zero_flag import DeferredFlag
 
 
 class DeferredSigtermBroadcast:
@@ -25,28 +25,19 @@ class DeferredSigtermBroadcast:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        device = trainer.strategy.root_device
-        self.cuda = device.type == "cuda"
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)  # rank 0's, after the broadcast
-        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
-        self.copied: torch.cuda.Event | None = None  # the last step's copy to self.host (CUDA)
-        self.pending = False  # a broadcast made and not yet read
+        self.flag = DeferredFlag(trainer.strategy.root_device)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a step's flag was broadcast and not yet read."""
+        return self.flag.pending
 
     def __call__(self) -> None:
-        if self.pending:
-            if self.copied is not None:
-                self.copied.synchronize()
-            if int(self.host[0]):
-                with contextlib.suppress(Exception):
-                    dist.barrier()  # as Lightning: every rank reaches the exit together
-                raise SIGTERMException()
-        self.flag.fill_(int(bool(self.trainer.received_sigterm)))
-        dist.broadcast(self.flag, src=0)
-        self.host.copy_(self.flag, non_blocking=self.cuda)
-        if self.cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        self.pending = True
+        if self.flag.read():
+            with contextlib.suppress(Exception):
+                dist.barrier()  # as Lightning: every rank reaches the exit together
+            raise SIGTERMException()
+        self.flag.post(bool(self.trainer.received_sigterm))
 
 
 def defer_sigterm_broadcast(trainer) -> bool:
