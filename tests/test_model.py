@@ -1,5 +1,6 @@
 """The HSTU model, the loss, the metrics, and a training step on an empty batch."""
 import warnings
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -258,7 +259,8 @@ def test_steps_after_a_logged_one_make_lightning_wait_for_nothing():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert trainer.global_step == 6 and LOSS in trainer.callback_metrics  # logged at steps 0 and 4
-    waits = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message) and "lightning" in w.filename]
+    # (Lightning's own files: its package directory, not this project's lightning_modules)
+    waits = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message) and "/lightning/" in Path(w.filename).as_posix()]
     assert not waits, waits
 
 
