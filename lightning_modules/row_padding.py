@@ -45,4 +45,6 @@ def pad_to_multiple(
     as those rows need (none where the batch's rows are a multiple already)."""
     P, B = x.shape[0], offsets.numel() - 1
     rows = math.ceil(P / multiple) * multiple
+    if rows == P:
+        return x, timestamps, offsets
     return pad_jagged(x, timestamps, offsets, rows, B, max_seq_len, pad_sequences=math.ceil((rows - P) / max_seq_len))
