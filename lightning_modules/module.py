@@ -115,9 +115,10 @@ class HSTULightningModule(L.LightningModule):
         if self.items is None:
             self.items = self._new_items()
         c, trainer = self.config, self.trainer
+        on_cuda = trainer.strategy.root_device.type == "cuda"
         if self.pad_rows is None:
-            self.pad_rows = trainer.strategy.root_device.type == "cuda"
-        if self.graphed is None and c.cuda_graph_buckets and trainer.strategy.root_device.type == "cuda":
+            self.pad_rows = on_cuda
+        if self.graphed is None and c.cuda_graph_buckets and on_cuda:
             # a graph's batch is one process's: batch_size counts the sequences of all of them
             self.graphed = GraphedHSTU(self.model, c.batch_size // trainer.world_size, c.cuda_graph_buckets)
 
