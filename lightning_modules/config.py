@@ -49,9 +49,10 @@ class HSTUConfig:
     # nearly every step (0: no padding)
     row_multiple: int = 1024
     # each block's work around the attention (layer norms, SiLU, the split, the product
-    # with U, dropout) through torch.compile: fewer passes over memory, a compilation at the
-    # first step (hstu.py). Off by default: faster on one GPU, measured slower under 4
-    # processes on one host (benchmarks/scaling.md)
+    # with U, dropout), the model's input, its output's normalization and the sampled
+    # softmax's per-position work before its logits through torch.compile: fewer passes
+    # over memory, a compilation at the first step (hstu.py, losses.py). Off by default:
+    # faster on one GPU, measured slower under 4 processes on one host (benchmarks/scaling.md)
     compile_blocks: bool = False
     # the blocks' layer norms through kernels.layer_norm (Triton on CUDA, torch's elsewhere)
     # instead of torch's CUDA kernel, which takes a thread block per row at the paper

@@ -17,11 +17,13 @@ dense weights.
 
 A block's work around the attention is two functions of tensors, block_input and
 block_output. With HSTUConfig.compile_blocks they run through torch.compile (one compiled
-function for every block, the row count symbolic): each layer norm, the casts autocast
-makes around it, SiLU, the split into contiguous Q, K, V, the product with U and the
-dropout become a few fused kernels instead of a pass over memory each.
+function for every block, the row count symbolic; compiled.py): each layer norm, the casts
+autocast makes around it, SiLU, the split into contiguous Q, K, V, the product with U and
+the dropout become a few fused kernels instead of a pass over memory each. So do the
+model's input (model_input: the scaled item rows, the position embedding, dropout) and its
+output's normalization (unit_rows), whose eager form is a norm, a broadcast division and
+their backward, each a pass of torch's slower broadcasting kernels.
 """
-import functools
 import math
 
 import torch
@@ -31,6 +33,7 @@ from torch import nn
 from kernels.hstu_attention import hstu_attention
 from kernels.layer_norm import layer_norm
 
+from .compiled import compiled
 from .config import HSTUConfig
 
 
@@ -56,6 +59,12 @@ class RelativeBias(nn.Module):
         self.time = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(0, 0.02))
 
 
+def model_input(item_emb: torch.Tensor, at: torch.Tensor, positions: nn.Embedding, dropout: nn.Dropout) -> torch.Tensor:
+    """The first block's input: Dropout(item_emb · √D + the position embedding of each row's
+    place in its sequence, `at`)."""
+    return dropout(item_emb * math.sqrt(item_emb.shape[1]) + positions(at))
+
+
 def block_input(
     x: torch.Tensor, norm: nn.LayerNorm, uvqk_weight: torch.Tensor, heads: int, dqk: int, dv: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,27 +75,17 @@ def block_input(
     return u, v.reshape(total, heads, dv).contiguous(), q.reshape(total, heads, dqk).contiguous(), k.reshape(total, heads, dqk).contiguous()
 
 
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x's rows scaled to unit L2 norm: the model's output."""
+    return F.normalize(x, dim=-1)
+
+
 def block_output(
     x: torch.Tensor, attention: torch.Tensor, u: torch.Tensor, norm: nn.LayerNorm, output: nn.Linear, dropout: nn.Dropout,
 ) -> torch.Tensor:
     """x + W_o · Dropout(LayerNorm(attention) ⊙ U): attention (total, heads, dv) is the
     attention's output, u (total, heads · dv) block_input's U."""
     return x + output(dropout(norm(attention.reshape(u.shape)) * u))
-
-
-@functools.cache
-def _compiled(fn, jagged: tuple[int, ...]):
-    """fn through torch.compile, the row counts of its arguments at the places `jagged`
-    marked as varying between calls (a jagged batch's total), so that one compilation serves
-    every count."""
-    compiled = torch.compile(fn)
-
-    def call(*args):
-        for i in jagged:
-            torch._dynamo.maybe_mark_dynamic(args[i], 0)
-        return compiled(*args)
-
-    return call
 
 
 class KernelLayerNorm(nn.LayerNorm):
@@ -119,7 +118,7 @@ class HSTUBlock(nn.Module):
     def forward(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, backend: str) -> torch.Tensor:
         # (x, and the attention's output and U: the jagged arguments)
         into, out_of = (
-            (_compiled(block_input, (0,)), _compiled(block_output, (0, 1, 2))) if self.compile else (block_input, block_output)
+            (compiled(block_input, (0,)), compiled(block_output, (0, 1, 2))) if self.compile else (block_input, block_output)
         )
         u, v, q, k = into(x, self.input_norm, self.uvqk.weight, self.heads, self.dqk, self.dv)
         out = hstu_attention(q, k, v, offsets, timestamps, self.bias.position, self.bias.time, self.max_seq_len, backend=backend)
@@ -142,9 +141,8 @@ class HSTU(nn.Module):
     def forward(self, item_emb: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """item_emb (total, D), timestamps (total,), offsets (B + 1,) int64 of sequences no
         longer than max_seq_len → (total, D), unit norm."""
-        total, D = item_emb.shape
-        x = item_emb * math.sqrt(D) + self.positions(positions_in_sequence(offsets, total))
-        x = self.input_dropout(x)
+        at = positions_in_sequence(offsets, item_emb.shape[0])
+        x = (compiled(model_input, (0, 1)) if self.config.compile_blocks else model_input)(item_emb, at, self.positions, self.input_dropout)
         for block in self.blocks:
             x = block(x, timestamps, offsets, self.attention_backend)
-        return F.normalize(x, dim=-1)
+        return (compiled(unit_rows, (0,)) if self.config.compile_blocks else unit_rows)(x)

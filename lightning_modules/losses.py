@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from kernels.sampled_softmax import sampled_softmax_cross_entropy
 from kernels.softmax_cross_entropy import softmax_cross_entropy
 
+from .compiled import compiled
+
 
 def sampled_softmax_loss(
     out: torch.Tensor,
@@ -24,6 +26,7 @@ def sampled_softmax_loss(
     negative_ids: torch.Tensor,
     temperature: float,
     real_rows: int | None = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of each target against shared sampled negatives, on cosine similarity.
 
@@ -31,13 +34,20 @@ def sampled_softmax_loss(
     to the position's own target is masked out. Equal to F.cross_entropy of
     [out · t, out · negativesᵀ (masked)] / temperature against label 0, without its
     float32 copies of the (P, N) logits (kernels.sampled_softmax). real_rows: the loss of
-    the first real_rows rows alone, the rest padding that passes no gradient.
+    the first real_rows rows alone, the rest padding that passes no gradient. compile: the
+    per-position work before the logits (scaled_queries) through torch.compile, the same
+    values in a fused kernel or two where eager torch makes a pass per operation.
     """
-    positive = (out * F.normalize(target_emb, dim=-1)).sum(-1)
+    queries, positive = (compiled(scaled_queries, (0, 1)) if compile else scaled_queries)(out, target_emb, temperature)
     return sampled_softmax_cross_entropy(
-        out / temperature, F.normalize(negative_emb, dim=-1), positive / temperature, negative_ids, target_ids,
-        real_rows=real_rows,
+        queries, F.normalize(negative_emb, dim=-1), positive, negative_ids, target_ids, real_rows=real_rows,
     )
+
+
+def scaled_queries(out: torch.Tensor, target_emb: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out / temperature, each position's logit of its own target: out · normalize(t) /
+    temperature), out (P, D) normalized outputs, target_emb (P, D)."""
+    return out / temperature, (out * F.normalize(target_emb, dim=-1)).sum(-1) / temperature
 
 
 def catalog_softmax_loss(out: torch.Tensor, item_emb: torch.Tensor, target_index: torch.Tensor, temperature: float) -> torch.Tensor:

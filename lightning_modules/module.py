@@ -185,7 +185,7 @@ class HSTULightningModule(L.LightningModule):
             pad = out.shape[0] - P
             loss = sampled_softmax_loss(
                 out, F.pad(seq_rows[targets], (0, 0, 0, pad)), F.pad(ids[targets], (0, pad)), neg_rows, negatives,
-                self.config.temperature, real_rows=P,
+                self.config.temperature, real_rows=P, compile=self.config.compile_blocks,
             )
         else:  # no targets here: a zero that still touches every weight, so DDP's all-reduce runs
             loss = out.sum() * 0.0 + sum(p.sum() for p in self.model.parameters()) * 0.0 + rows.sum() * 0.0

@@ -129,9 +129,10 @@ def test_the_jagged_model_is_the_padded_computation(backend):
 
 
 def test_compiled_blocks_compute_what_the_eager_blocks_do():
-    """compile_blocks: each block's work around the attention through torch.compile gives the
-    eager model's outputs and gradients (no dropout), over batches of several row counts,
-    from one compilation of each function for every block and row count."""
+    """compile_blocks: each block's work around the attention, the model's input and its
+    output's normalization through torch.compile give the eager model's outputs and gradients (no dropout), over
+    batches of several row counts, from one compilation of each function for every block and
+    row count."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -152,9 +153,10 @@ def test_compiled_blocks_compute_what_the_eager_blocks_do():
         torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-4)
         for got, want in zip(grads[1], grads[0]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    # block_input and block_output, each traced once for all three blocks and batch sizes
-    assert counters["stats"]["unique_graphs"] == 2
-    assert counters["frames"]["ok"] == 2
+    # model_input, block_input, block_output and unit_rows, each traced once for all blocks and
+    # batch sizes
+    assert counters["stats"]["unique_graphs"] == 4
+    assert counters["frames"]["ok"] == 4
 
 
 def test_sampled_softmax_masks_accidental_hits():
@@ -167,6 +169,31 @@ def test_sampled_softmax_masks_accidental_hits():
                                out @ torch.nn.functional.normalize(negatives, dim=-1).T], 1) / 0.05
     manual_logits[0, 1] = float("-inf")
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(manual_logits, torch.zeros(3, dtype=torch.long)))
+
+
+def test_the_compiled_sampled_softmax_computes_what_the_eager_one_does():
+    """sampled_softmax_loss(compile=True): its per-position work through torch.compile gives
+    the eager loss and gradients, over several row counts and padded rows, from one
+    compilation."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(3)
+    negatives, negative_ids = torch.randn(9, 8, generator=g), torch.arange(9)
+    for rows, real in ((12, 12), (20, 17), (7, 5)):
+        out = torch.nn.functional.normalize(torch.randn(rows, 8, generator=g), dim=-1)
+        target, target_ids = torch.randn(rows, 8, generator=g), torch.randint(0, 12, (rows,), generator=g)
+        losses, grads = [], []
+        for compile in (False, True):
+            leaves = [t.clone().requires_grad_(True) for t in (out, target, negatives)]
+            loss = sampled_softmax_loss(*leaves[:2], target_ids, leaves[2], negative_ids, 0.05, real_rows=real, compile=compile)
+            losses.append(loss)
+            grads.append(torch.autograd.grad(loss, leaves))
+        torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+        for got, want in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_the_catalog_softmax_is_the_sampled_softmax_over_every_item():

@@ -1,0 +1,21 @@
+"""torch.compile for the model's functions of jagged tensors: one compilation for every row
+count. A jagged batch's total row count is new nearly every step; compiled as is, each
+count would be a new specialization until torch gave up compiling (its recompile limit).
+Marking the row dimension dynamic makes the first call's graph serve them all."""
+import functools
+
+import torch
+
+
+@functools.cache
+def compiled(fn, jagged: tuple[int, ...]):
+    """fn through torch.compile, the first dimension of its arguments at the places `jagged`
+    marked as varying between calls (a jagged batch's total)."""
+    compiled_fn = torch.compile(fn)
+
+    def call(*args):
+        for i in jagged:
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        return compiled_fn(*args)
+
+    return call
