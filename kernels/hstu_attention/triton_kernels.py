@@ -379,8 +379,9 @@ def _backward_q_kernel(
     tl.store(dq_at, dq_acc.to(dq_ptr.dtype.element_ty), mask=dq_mask)
 
 
-_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["PAIR"]))
-_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["STORE_DS"]))
+# (tuned apart where the biases come from the prepass's tiles: another kernel)
+_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["PAIR", "BIAS_TILES"]))
+_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["STORE_DS", "BIAS_TILES"]))
 # (adds into the biases' gradients: zeroed before each trial)
 _backward_q = TunedLaunches(autotuned(
     _backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY, reset_to_zero=["position_grad_ptr", "time_grad_ptr"]
