@@ -64,6 +64,12 @@ def other_attention(root: Path):
     return importlib.import_module(f"{name}.hstu_attention").hstu_attention
 
 
+def pair_bias_tiles(package: str) -> bool:
+    """Whether a kernels package's attention reads its biases from the prepass's tiles
+    (HSTU_PAIR_BIAS_TILES=1; False for a checkout from before that switch)."""
+    return getattr(importlib.import_module(f"{package}.hstu_attention.triton_kernels"), "PAIR_BIAS_TILES", False)
+
+
 def tuned_choices(package: str) -> dict:
     """The configuration the autotuner chose for each launch of a kernels package's
     attention kernels ("kernels", or other_attention's), by the launch's tuning key and
@@ -171,7 +177,8 @@ def main() -> None:
             f"{fmt(r['forward_backward_graph_ms'], '9.3f')} {fmt(r['forward_backward_graph_TFLOPs'], '8.1f')}"
         )
     packages = {"triton": "kernels"} | ({impls[1][1]: "kernels_against"} if args.against else {})
-    write_results("hstu_attention", rows, args.out, configs={label: tuned_choices(p) for label, p in packages.items()})
+    write_results("hstu_attention", rows, args.out, configs={label: tuned_choices(p) for label, p in packages.items()},
+                  pair_bias_tiles={label: pair_bias_tiles(p) for label, p in packages.items()})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def signature(kernel) -> dict:
         if name in POINTERS:
             types[name] = POINTERS[name]
         elif name.endswith("_ptr"):
-            types[name] = "*bf16" if name[0] in "qkvdo" else "*fp32"
+            types[name] = "*bf16" if name[0] in "qkvdo" or name == "biases_ptr" else "*fp32"
         elif name in INTS:
             types[name] = "i32"
         elif name == "scale":
@@ -65,11 +65,15 @@ def main() -> None:
     print(f"sm_{args.arch}: at most {limit} bytes of shared memory a block")
     for dim in args.head_dims:
         attention = dict(HAS_TARGETS=False, TWO_BUCKET_TILES=True, DQK=dim, DV=dim, BLOCK_DQK=dim, BLOCK_DV=dim)
+        # (the forward and the dK dV kernel reading the pair biases' buffer where
+        # HSTU_PAIR_BIAS_TILES=1 turns it on, else computing them per tile)
+        tiles = dict(BIAS_TILES=tk.PAIR_BIAS_TILES, BY_DESCRIPTOR=by_descriptor, TWO_BUCKET_TILES=not tk.PAIR_BIAS_TILES)
         kernels = [
-            ("forward, one head", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=False)),
-            ("forward, two heads", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=True)),
-            ("backward dK dV", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=False, BY_DESCRIPTOR=False)),
-            ("backward dK dV, dS stored", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=True, BY_DESCRIPTOR=by_descriptor)),
+            ("forward, one head", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=False, **tiles)),
+            ("forward, two heads", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=True, **tiles)),
+            ("backward dK dV", tk._backward_kv_kernel, tk.CONFIGS,
+             dict(attention, STORE_DS=False, BY_DESCRIPTOR=False, BIAS_TILES=False)),
+            ("backward dK dV, dS stored", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=True, **tiles)),
             ("backward dQ", tk._backward_q_kernel, tk.CONFIGS, dict(attention, BIAS_GRADS=True)),
             ("dQ from stored dS", score_grads._dq_kernel, score_grads.DQ_CONFIGS, dict(HAS_TARGETS=False, DQK=dim, BLOCK_DQK=dim)),
         ]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels.hstu_attention import allowed_pairs, hstu_attention, reference, score_grads, time_buckets, triton_kernels
+from kernels.hstu_attention import allowed_pairs, bias_tiles, hstu_attention, reference, score_grads, time_buckets, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 4 if DEVICE == "cuda" else 1  # sequences and length on a GPU
@@ -18,8 +18,10 @@ pytestmark = pytest.mark.usefixtures("poisoned_memory")  # (conftest.py)
 @pytest.fixture
 def two_bucket_tiles(monkeypatch):
     """The kernels' loop of tiles spanning two time buckets at most, whatever the length
-    (it runs from triton_kernels.TWO_BUCKET_MIN_LENGTH on)."""
+    (it runs from triton_kernels.TWO_BUCKET_MIN_LENGTH on), in the forward and the dK dV
+    kernel too: their biases computed per tile, not read from the pair biases' prepass."""
     monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0)
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES", False)
 
 
 def case(seed, lengths, heads, dqk, dv, max_seq_len, dtype, targets=False):
@@ -455,3 +457,44 @@ def test_the_score_grads_buffer_takes_at_most_a_share_of_the_gpus_memory(monkeyp
     assert chunk(10, 4, 200, torch.bfloat16, torch.device("cpu")) == 10
     monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 2 * one)
     assert chunk(10, 4, 100, torch.bfloat16, torch.device("cuda")) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 0), (True, 3)])
+def test_pair_biases_match_the_twin_where_rows_attend(dtype, targets, context_len):
+    """The forward's prepass (bias_tiles.pair_biases) against its twin on every pair a row
+    attends to (the buffer comes NaN-filled: an attended pair left unwritten fails)."""
+    lengths = [n * SCALE for n in [5, 0, 33, 1, 64, 70, 17, 130]]
+    max_seq_len = max(lengths) + 3
+    tensors, offsets, num_targets = case(7, lengths, 1, 16, 16, max_seq_len, dtype, targets)
+    edges = triton_kernels._bucket_tables(NUM_BUCKETS, torch.device(DEVICE))[0]
+    args = (offsets, tensors["timestamps"], tensors["position_bias"].detach(), tensors["time_bias"].detach(), max_seq_len, edges,
+            dtype, num_targets, context_len)
+    got, want = bias_tiles.pair_biases(*args), reference.pair_biases(*args)
+    assert got.shape == want.shape and got.dtype == want.dtype == dtype
+    for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        n = end - start
+        attended = allowed_pairs(n, int(num_targets[b]) if targets else 0, context_len, DEVICE)
+        assert torch.equal(got[b, :n, :n][attended], want[b, :n, :n][attended]), b
+
+
+@pytest.mark.parametrize("by_descriptor", [False, True])
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
+def test_attention_from_pair_biases_and_from_biases_per_tile_match_the_twin(monkeypatch, by_descriptor, targets, context_len):
+    """The forward and the dK dV kernel reading the prepass's pair biases (through a tensor
+    descriptor, or pointers as before Hopper), and computing them per tile (PAIR_BIAS_TILES
+    off), both match the twin; the reads take place (a prepass that writes 0 fails)."""
+    monkeypatch.setattr(triton_kernels, "_descriptor_stores", lambda device: by_descriptor)
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES", True)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0])
+        return bias_tiles.pair_biases(*args)
+
+    monkeypatch.setattr(triton_kernels, "pair_biases", counted)
+    test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 50, 64, targets, context_len)
+    assert len(calls) == 2  # the forward's, and the backward's again
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES", False)
+    test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 50, 64, targets, context_len)
+    assert len(calls) == 2

@@ -29,7 +29,7 @@ import triton.language as tl
 from ..autotune import TunedLaunches, autotuned
 from ..launch import cdiv
 from .bias_grads import _add_bias_grads, _bias_grad_copy
-from .tiles import _counted, _head_rows, _key_ranges, _load_head_rows, _pair_buckets, _program_block, _two_bucket_run
+from .tiles import _block_times, _counted, _head_rows, _key_ranges, _load_head_rows, _pair_buckets, _program_block, _two_bucket_run
 from .time_buckets import _tile_bucket, _tile_extremes
 
 # dQ's tiles: a product of a stored (BLOCK_M, BLOCK_N) dS tile with K's block; no per-pair work
@@ -146,9 +146,7 @@ def _bias_grads_kernel(
     m0, _, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, 1, BLOCK_M, HAS_TARGETS)
     if m0 >= n:
         return
-    rows = m0 + tl.arange(0, BLOCK_M)
-    row_live = rows < n
-    t_rows = (tl.load(timestamps_ptr + start + rows, mask=row_live, other=t0) - t0).to(tl.float64)
+    rows, row_live, t_rows = _block_times(timestamps_ptr, start, t0, m0, n, BLOCK_M)
     copy = _bias_grad_copy(max_seq_len, num_buckets)
     position_grad_ptr += copy
     time_grad_ptr += copy

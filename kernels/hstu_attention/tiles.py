@@ -126,6 +126,15 @@ def _load_head_rows(ptr, start, idx, live, heads, h, WIDTH: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _block_times(timestamps_ptr, start, t0, first, n, BLOCK: tl.constexpr):
+    """(rows first .. first + BLOCK - 1 of a sequence of n rows at `start`, which are live,
+    their timestamps as float64 offsets from t0)."""
+    idx = first + tl.arange(0, BLOCK)
+    live = idx < n
+    return idx, live, (tl.load(timestamps_ptr + start + idx, mask=live, other=t0) - t0).to(tl.float64)
+
+
+@triton.jit
 def _row_block(
     a_ptr, b_ptr, timestamps_ptr, start, t0, first, n, heads, h, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -133,11 +142,9 @@ def _row_block(
     """Rows first .. first + BLOCK - 1 of a sequence of n rows at `start`: (their indices,
     which are live, their head-h rows of a and of b, their timestamps as float64 offsets
     from t0). A key block's a and b are K and V; a query block's, Q and dO."""
-    idx = first + tl.arange(0, BLOCK)
-    live = idx < n
+    idx, live, t = _block_times(timestamps_ptr, start, t0, first, n, BLOCK)
     a = _load_head_rows(a_ptr, start, idx, live, heads, h, A_WIDTH, BLOCK_A)
     b = _load_head_rows(b_ptr, start, idx, live, heads, h, B_WIDTH, BLOCK_B)
-    t = (tl.load(timestamps_ptr + start + idx, mask=live, other=t0) - t0).to(tl.float64)
     return idx, live, a, b, t
 
 

@@ -18,7 +18,12 @@ buffer holds up to SCORE_GRADS_BUFFER_BYTES, some sequences at a time; where one
 sequence's dS would not fit, a kernel per query block recomputes the scores once more
 for dQ and the biases' gradients, each head's on its own.
 
-Each kernel walks its tiles in three loops: the tiles whose every pair is allowed (wholly
+With PAIR_BIAS_TILES (off by default, HSTU_PAIR_BIAS_TILES=1) and where the buffer fits
+(_pair_bias_tiles), a prepass writes both biases of every attended pair once
+(bias_tiles.py), and the forward and the dK dV kernel read each tile's biases from it, so
+their tiles do no per-pair bias work; the mask remains. Otherwise, and in the kernels that
+need each pair's bucket (the biases' gradients), each kernel walks its tiles in three
+loops: the tiles whose every pair is allowed (wholly
 below the diagonal and inside the history) skip the mask, and of those, the run farthest
 from the diagonal whose gaps span two time buckets at most takes the bucket from one
 comparison per pair (time_buckets.py; from a length class of TWO_BUCKET_MIN_LENGTH); the
@@ -28,6 +33,7 @@ below 2^53 time units, so each pair's gap is one float64 subtraction that rounds
 float32 as the twin's int64 gap does.
 """
 import functools
+import os
 
 import torch
 import triton
@@ -37,6 +43,7 @@ from triton.runtime.errors import OutOfResources
 from ..autotune import TunedLaunches, autotuned
 from ..launch import cdiv, next_power_of_2
 from . import score_grads
+from .bias_tiles import _pair_biases_slot, pair_biases
 from .bias_grads import BIAS_GRAD_COPIES, _add_bias_grads, _bias_grad_copy
 from .reference import time_bucket_edges
 from .score_grads import _row_length, _score_grads_at, _score_grads_slot, score_grads_row_length
@@ -67,24 +74,59 @@ TWO_BUCKET_MIN_LENGTH = 1024
 SCORE_GRADS_BUFFER_BYTES = 4 << 30
 SCORE_GRADS_MEMORY_SHARE = 16
 DESCRIPTOR_STORE_MIN_CAPABILITY = 9  # the Tensor Memory Accelerator's: Hopper on
+# With HSTU_PAIR_BIAS_TILES=1 the forward and the dK dV kernel read both biases of each pair
+# from a prepass's buffer (bias_tiles.py) where it fits the stored dS's budget
+# (_pair_bias_tiles); otherwise each tile computes them (the two-bucket tiles and the
+# rest). Off by default until timed on a GPU (benchmarks/hstu_attention.md, "Both biases
+# from a prepass, read as tiles")
+PAIR_BIAS_TILES_ENV = "HSTU_PAIR_BIAS_TILES"
+PAIR_BIAS_TILES = os.environ.get(PAIR_BIAS_TILES_ENV, "0") == "1"
 TUNING_KEY = ["DQK", "DV", "length_class"]  # length_class: max_seq_len's power of two
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
 
 
 @triton.jit
+def _tile_biases(biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR: tl.constexpr):
+    """A tile's float32 pair biases from the prepass's buffer (bias_tiles.py): biases_in is
+    the sequence's descriptor (BY_DESCRIPTOR: a bulk copy into shared memory, read in the
+    products' layout; past the sequence's end zeros), else its block's pointer."""
+    if BY_DESCRIPTOR:
+        bias = biases_in.load([m0, n0])
+    else:
+        at = biases_in + (rows * _row_length(max_seq_len))[:, None] + cols[None, :]
+        bias = tl.load(at, mask=(rows < n)[:, None] & (cols < n)[None, :], other=0.0)
+    return bias.to(tl.float32)
+
+
+@triton.jit
+def _biases_in(biases_ptr, b, n, max_seq_len, BY_DESCRIPTOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What _tile_biases reads sequence b's tiles through."""
+    at = _pair_biases_slot(biases_ptr, b, max_seq_len)
+    if BY_DESCRIPTOR:
+        at = tl.make_tensor_descriptor(at, shape=[n, n], strides=[_row_length(max_seq_len), 1], block_shape=[BLOCK_M, BLOCK_N])
+    return at
+
+
+@triton.jit
 def _forward_tile(
     acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, PAIR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high, biases_in, m0,
+    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, PAIR: tl.constexpr, BIAS_TILES: tl.constexpr,
+    BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """The tile of key rows n0 .. n0 + BLOCK_N - 1 added into head h's acc, and (PAIR) head
-    h + 1's acc2: the biases and the mask are the heads' own, computed once for both."""
+    h + 1's acc2: the biases and the mask are the heads' own, computed once for both, or
+    (BIAS_TILES) read from the prepass's tile (bias_tiles.py): biases_in is the sequence's
+    descriptor (BY_DESCRIPTOR), else its block's pointer."""
     cols, col_live, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
-    bias, _, _ = _biases(
-        rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
-        TWO_BUCKETS,
-    )
+    if BIAS_TILES:
+        bias = _tile_biases(biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR)
+    else:
+        bias, _, _ = _biases(
+            rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+            TWO_BUCKETS,
+        )
     allowed = None
     if MASKED:
         allowed = _allowed(rows, cols, n, history_end, context_len)
@@ -99,17 +141,23 @@ def _forward_tile(
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
-    thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, PAIR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    thresholds_ptr, ext_ptr, ext_blocks, biases_ptr, heads, max_seq_len, num_buckets, context_len, scale, length_class,
+    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, PAIR: tl.constexpr, BIAS_TILES: tl.constexpr,
+    BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """The output of a block of query rows of one head, or (PAIR) of two consecutive heads,
-    which share the tiles' biases and masks."""
+    which share the tiles' biases and masks; BIAS_TILES: the biases read from biases_ptr,
+    the prepass's buffer (bias_tiles.py), through a descriptor of the sequence's block
+    where BY_DESCRIPTOR."""
     m0, h, b, start, n, history_end, t0 = _program_block(
         offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS, 2 if PAIR else 1,
     )
     if m0 >= n:
         return
+    biases_in = biases_ptr
+    if BIAS_TILES:
+        biases_in = _biases_in(biases_ptr, b, n, max_seq_len, BY_DESCRIPTOR, BLOCK_M, BLOCK_N)
     rows = m0 + tl.arange(0, BLOCK_M)
     row_live = rows < n
     q = _load_head_rows(q_ptr, start, rows, row_live, heads, h, DQK, BLOCK_DQK)
@@ -134,20 +182,20 @@ def _forward_kernel(
             k_lo, k_hi = _tile_extremes(ext_ptr, entry, tl.minimum(n0 + BLOCK_N, split - BLOCK_N), BLOCK_N)
             acc, acc2 = _forward_tile(
                 acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-                position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-                False, True, PAIR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high, biases_in,
+                m0, False, True, PAIR, BIAS_TILES, BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             )
     for n0 in range(split, full, BLOCK_N):
         acc, acc2 = _forward_tile(
             acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            False, False, PAIR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0, biases_in, m0,
+            False, False, PAIR, BIAS_TILES, BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     for n0 in range(full, end, BLOCK_N):
         acc, acc2 = _forward_tile(
             acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
-            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            True, False, PAIR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0, biases_in, m0,
+            True, False, PAIR, BIAS_TILES, BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     out_at, out_mask = _head_rows(out_ptr, start, rows, row_live, heads, h, DV, BLOCK_DV)
     tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -169,16 +217,23 @@ def _score_grads(s, do, v, scale):
 def _backward_kv_tile(
     dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n, history_end,
     heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-    MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, STORE_DS: tl.constexpr, BY_DESCRIPTOR: tl.constexpr,
-    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    biases_in, MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, STORE_DS: tl.constexpr, BY_DESCRIPTOR: tl.constexpr,
+    BIAS_TILES: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """dK and dV plus the query rows m0 .. m0 + BLOCK_M - 1's share; (STORE_DS) the tile's
-    dS into ds_out: the sequence's descriptor (BY_DESCRIPTOR), else the buffer's pointer."""
+    dS into ds_out: the sequence's descriptor (BY_DESCRIPTOR), else the buffer's pointer;
+    (BIAS_TILES) the biases read through biases_in as the forward reads them."""
     rows, row_live, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
-    s, _, _ = _biased_scores(
-        q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
-        TWO_BUCKETS,
-    )
+    if BIAS_TILES:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + _tile_biases(
+            biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR,
+        )
+    else:
+        s, _, _ = _biased_scores(
+            q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
+            TWO_BUCKETS,
+        )
     a, ds = _score_grads(s, do, v, scale)
     if MASKED:
         allowed = _allowed(rows, cols, n, history_end, context_len)
@@ -198,17 +253,22 @@ def _backward_kv_tile(
 @triton.jit
 def _backward_kv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, ds_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr,
-    edges_ptr, thresholds_ptr, ext_ptr, ext_blocks, heads, max_seq_len, num_buckets, context_len, scale, length_class,
-    HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, STORE_DS: tl.constexpr, BY_DESCRIPTOR: tl.constexpr,
-    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    edges_ptr, thresholds_ptr, ext_ptr, ext_blocks, biases_ptr, heads, max_seq_len, num_buckets, context_len, scale,
+    length_class, HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, STORE_DS: tl.constexpr,
+    BY_DESCRIPTOR: tl.constexpr, BIAS_TILES: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK and dV of a block of key rows: Σ over the query rows that attend to them; and
     (STORE_DS) each tile's dS written into ds_ptr's buffer (score_grads.py), through a
-    tensor descriptor of the sequence's block of it where BY_DESCRIPTOR."""
+    tensor descriptor of the sequence's block of it where BY_DESCRIPTOR; BIAS_TILES: the
+    biases read from biases_ptr, the pair biases' buffer (bias_tiles.py), through a
+    descriptor where BY_DESCRIPTOR."""
     n0, h, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_N, HAS_TARGETS)
     if n0 >= n:
         return
+    biases_in = biases_ptr
+    if BIAS_TILES:
+        biases_in = _biases_in(biases_ptr, b, n, max_seq_len, BY_DESCRIPTOR, BLOCK_M, BLOCK_N)
     cols, col_live, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -224,7 +284,7 @@ def _backward_kv_kernel(
         dk_acc, dv_acc = _backward_kv_tile(
             dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
             history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            True, False, STORE_DS, BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            biases_in, True, False, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     # the unmasked query blocks: the rest, then those to the last whose tiles span two buckets at most
     split, lo, hi, entry = _two_bucket_run(
@@ -234,7 +294,7 @@ def _backward_kv_kernel(
         dk_acc, dv_acc = _backward_kv_tile(
             dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
             history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            False, False, STORE_DS, BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            biases_in, False, False, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     if TWO_BUCKET_TILES:
         last = (tl.cdiv(n, BLOCK_M) - 1) * BLOCK_M  # (the last query block: no extremes are read past it)
@@ -245,7 +305,7 @@ def _backward_kv_kernel(
             dk_acc, dv_acc = _backward_kv_tile(
                 dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
                 history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-                False, True, STORE_DS, BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+                biases_in, False, True, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
             )
     dk_at, dk_mask = _head_rows(dk_ptr, start, cols, col_live, heads, h, DQK, BLOCK_DQK)
     tl.store(dk_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=dk_mask)
@@ -324,8 +384,9 @@ def _backward_q_kernel(
     tl.store(dq_at, dq_acc.to(dq_ptr.dtype.element_ty), mask=dq_mask)
 
 
-_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["PAIR"]))
-_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["STORE_DS"]))
+# (tuned apart where the biases come from the prepass's tiles: another kernel)
+_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["PAIR", "BIAS_TILES"]))
+_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["STORE_DS", "BIAS_TILES"]))
 # (adds into the biases' gradients: zeroed before each trial)
 _backward_q = TunedLaunches(autotuned(
     _backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY, reset_to_zero=["position_grad_ptr", "time_grad_ptr"]
@@ -345,22 +406,29 @@ def _two_bucket_tiles(max_seq_len: int) -> bool:
 _tables: dict = {}  # (num_buckets, device): the bucket edges and thresholds there (_time_tables)
 
 
+def _bucket_tables(num_buckets: int, device: torch.device) -> tuple:
+    """(time_bucket_edges as float32, time_buckets.bucket_thresholds as float64) on device,
+    made once per number of buckets and device."""
+    key = (num_buckets, device)
+    if key not in _tables:
+        _tables[key] = (
+            torch.tensor(time_bucket_edges(num_buckets), dtype=torch.float32, device=device),
+            torch.tensor(bucket_thresholds(num_buckets), dtype=torch.float64, device=device),
+        )
+    return _tables[key]
+
+
 def _time_tables(num_buckets: int, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int) -> tuple:
     """What the kernels read to bucket gaps: time_bucket_edges as float32,
     time_buckets.bucket_thresholds as float64 (both made once per number of buckets and
     device), and, where two-bucket tiles run (_two_bucket_tiles), the sequences'
     timestamp extremes per block with their blocks per sequence (else the thresholds and
     0, unread)."""
-    key = (num_buckets, timestamps.device)
-    if key not in _tables:
-        _tables[key] = (
-            torch.tensor(time_bucket_edges(key[0]), dtype=torch.float32, device=key[1]),
-            torch.tensor(bucket_thresholds(key[0]), dtype=torch.float64, device=key[1]),
-        )
+    edges, thresholds = _bucket_tables(num_buckets, timestamps.device)
     if not _two_bucket_tiles(max_seq_len):
-        return (*_tables[key], _tables[key][1], 0)
+        return edges, thresholds, thresholds, 0
     ext = timestamp_extremes(offsets, timestamps, max_seq_len, LARGEST_BLOCK)
-    return (*_tables[key], ext, ext.shape[1])
+    return edges, thresholds, ext, ext.shape[1]
 
 
 # (device, dtype, BLOCK_DQK, BLOCK_DV) where no tiling of the forward with two heads a
@@ -387,10 +455,24 @@ def hstu_attention(
     heads, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
     out = v.new_empty(v.shape)
     if out.numel() and programs:
+        num_buckets = time_bias.numel() - 1
+        bias_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
+        tiled = _pair_bias_tiles(offsets.numel() - 1, max_seq_len, bias_dtype, q.device)
+        if tiled:
+            edges, thresholds = _bucket_tables(num_buckets, q.device)
+            biases = pair_biases(offsets, timestamps, position_bias, time_bias, max_seq_len, edges, bias_dtype, num_targets, context_len)
+            tables, two_buckets, by_descriptor = (edges, thresholds, thresholds, 0), False, _descriptor_stores(q.device)
+            if by_descriptor and q.is_cuda:  # (the descriptor's scratch, as the backward's)
+                triton.set_allocator(_descriptor_scratch)
+        else:
+            biases, by_descriptor = position_bias, False  # (unread)
+            tables, two_buckets = _time_tables(num_buckets, offsets, timestamps, max_seq_len), _two_bucket_tiles(max_seq_len)
         args = (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
-                *_time_tables(time_bias.numel() - 1, offsets, timestamps, max_seq_len), heads, max_seq_len, time_bias.numel() - 1,
-                context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
-        common = dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), **dims)
+                *tables, biases, heads, max_seq_len, num_buckets, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
+        common = dict(
+            HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=two_buckets, BIAS_TILES=tiled,
+            BY_DESCRIPTOR=by_descriptor, **dims,
+        )
         # two heads a program, which share the per-pair bias work, where the head count is
         # even and the device's shared memory holds both heads' key and value blocks
         unpaired_key = (q.device, q.dtype, dims["BLOCK_DQK"], dims["BLOCK_DV"])
@@ -437,8 +519,8 @@ def hstu_attention_backward(
             targets = num_targets if num_targets is not None else offsets
             _backward_kv(
                 _grid("BLOCK_N", programs, max_seq_len),
-                (q, k, v, grad, dk, dvv, dk, offsets, timestamps, targets, position_bias, time_bias, *tables, *sizes),
-                dict(STORE_DS=False, BY_DESCRIPTOR=False, **common),
+                (q, k, v, grad, dk, dvv, dk, offsets, timestamps, targets, position_bias, time_bias, *tables, position_bias, *sizes),
+                dict(STORE_DS=False, BY_DESCRIPTOR=False, BIAS_TILES=False, **common),
             )
             _backward_q(
                 _grid("BLOCK_M", programs, max_seq_len),
@@ -451,14 +533,21 @@ def hstu_attention_backward(
             by_descriptor = _descriptor_stores(q.device)
             if by_descriptor and q.is_cuda:  # (per thread: the backward may run on autograd's own)
                 triton.set_allocator(_descriptor_scratch)
+            bias_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
+            tiled = _pair_bias_tiles(chunk, max_seq_len, bias_dtype, q.device)  # (the forward's biases, made again)
             for first in range(0, sequences, chunk):
                 part = _some_sequences(first, min(sequences, first + chunk), offsets, num_targets, tables)
                 part_offsets, part_targets, part_tables = part
+                biases = position_bias  # (unread)
+                if tiled:
+                    biases = pair_biases(part_offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], bias_dtype,
+                                         part_targets, context_len)
                 _backward_kv(
                     _grid("BLOCK_N", (part_offsets.numel() - 1) * heads, max_seq_len),
                     (q, k, v, grad, dk, dvv, ds, part_offsets, timestamps, part_targets if part_targets is not None else
-                     part_offsets, position_bias, time_bias, *part_tables, *sizes),
-                    dict(STORE_DS=True, BY_DESCRIPTOR=by_descriptor, **common),
+                     part_offsets, position_bias, time_bias, *part_tables, biases, *sizes),
+                    dict(STORE_DS=True, BY_DESCRIPTOR=by_descriptor, BIAS_TILES=tiled,
+                         **dict(common, TWO_BUCKET_TILES=common["TWO_BUCKET_TILES"] and not tiled)),
                 )
                 _launch_dq(ds, k, dq, part_offsets, timestamps, max_seq_len, part_targets, context_len)
                 if bias_grads:
@@ -469,6 +558,17 @@ def hstu_attention_backward(
     if not bias_grads:
         return dq, dk, dvv, None, None
     return dq, dk, dvv, *copies.sum(0).split(bias_sizes)
+
+
+def _pair_bias_tiles(sequences: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the forward reads its biases from the prepass's buffer (bias_tiles.py): where
+    the buffer, a max_seq_len² block of dtype per sequence, fits the budget the stored dS
+    has (SCORE_GRADS_BUFFER_BYTES, and on a GPU a share of its memory); else each tile
+    computes them."""
+    budget = SCORE_GRADS_BUFFER_BYTES
+    if device.type == "cuda":
+        budget = min(budget, _device_memory(device) // SCORE_GRADS_MEMORY_SHARE)
+    return PAIR_BIAS_TILES and sequences * max_seq_len * score_grads_row_length(max_seq_len) * dtype.itemsize <= budget
 
 
 def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> int:
