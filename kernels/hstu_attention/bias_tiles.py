@@ -14,8 +14,8 @@ there does not pass. Rows and columns past a sequence's end are never read as va
 descriptor reads them as zeros; the pointer load masks them).
 
 The buffer is (sequences, max_seq_len, score_grads_row_length(max_seq_len)), the stored
-dS's layout with one head: a descriptor's rows start 16 bytes apart. 16-bit inputs get
-16-bit biases (the sum rounded once, as the products' inputs are); float32 inputs float32.
+dS's layout with one head: a descriptor's rows start 16 bytes apart. Its dtype is the
+inputs' (for 16-bit inputs the sum rounded once, as the products' inputs are).
 """
 import torch
 import triton

@@ -418,14 +418,16 @@ def _bucket_tables(num_buckets: int, device: torch.device) -> tuple:
     return _tables[key]
 
 
-def _time_tables(num_buckets: int, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int) -> tuple:
+def _time_tables(
+    num_buckets: int, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int, two_buckets: bool | None = None,
+) -> tuple:
     """What the kernels read to bucket gaps: time_bucket_edges as float32,
     time_buckets.bucket_thresholds as float64 (both made once per number of buckets and
-    device), and, where two-bucket tiles run (_two_bucket_tiles), the sequences'
-    timestamp extremes per block with their blocks per sequence (else the thresholds and
-    0, unread)."""
+    device), and, where two-bucket tiles run (two_buckets; None: _two_bucket_tiles), the
+    sequences' timestamp extremes per block with their blocks per sequence (else the
+    thresholds and 0, unread)."""
     edges, thresholds = _bucket_tables(num_buckets, timestamps.device)
-    if not _two_bucket_tiles(max_seq_len):
+    if not (_two_bucket_tiles(max_seq_len) if two_buckets is None else two_buckets):
         return edges, thresholds, thresholds, 0
     ext = timestamp_extremes(offsets, timestamps, max_seq_len, LARGEST_BLOCK)
     return edges, thresholds, ext, ext.shape[1]
@@ -456,17 +458,15 @@ def hstu_attention(
     out = v.new_empty(v.shape)
     if out.numel() and programs:
         num_buckets = time_bias.numel() - 1
-        bias_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-        tiled = _pair_bias_tiles(offsets.numel() - 1, max_seq_len, bias_dtype, q.device)
+        tiled = _pair_bias_tiles(offsets.numel() - 1, max_seq_len, q.dtype, q.device)
+        two_buckets = not tiled and _two_bucket_tiles(max_seq_len)
+        tables = _time_tables(num_buckets, offsets, timestamps, max_seq_len, two_buckets)
+        biases, by_descriptor = position_bias, False  # (unread without the tiles)
         if tiled:
-            edges, thresholds = _bucket_tables(num_buckets, q.device)
-            biases = pair_biases(offsets, timestamps, position_bias, time_bias, max_seq_len, edges, bias_dtype, num_targets, context_len)
-            tables, two_buckets, by_descriptor = (edges, thresholds, thresholds, 0), False, _descriptor_stores(q.device)
+            biases = pair_biases(offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], q.dtype, num_targets, context_len)
+            by_descriptor = _descriptor_stores(q.device)
             if by_descriptor and q.is_cuda:  # (the descriptor's scratch, as the backward's)
                 triton.set_allocator(_descriptor_scratch)
-        else:
-            biases, by_descriptor = position_bias, False  # (unread)
-            tables, two_buckets = _time_tables(num_buckets, offsets, timestamps, max_seq_len), _two_bucket_tiles(max_seq_len)
         args = (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
                 *tables, biases, heads, max_seq_len, num_buckets, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
         common = dict(
@@ -533,21 +533,22 @@ def hstu_attention_backward(
             by_descriptor = _descriptor_stores(q.device)
             if by_descriptor and q.is_cuda:  # (per thread: the backward may run on autograd's own)
                 triton.set_allocator(_descriptor_scratch)
-            bias_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-            tiled = _pair_bias_tiles(chunk, max_seq_len, bias_dtype, q.device)  # (the forward's biases, made again)
+            # the forward's biases, made again per chunk: a chunk's pair biases are the size
+            # of one head's dS in the buffer, so they fit wherever the buffer does
+            tiled = PAIR_BIAS_TILES
             for first in range(0, sequences, chunk):
                 part = _some_sequences(first, min(sequences, first + chunk), offsets, num_targets, tables)
                 part_offsets, part_targets, part_tables = part
                 biases = position_bias  # (unread)
                 if tiled:
-                    biases = pair_biases(part_offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], bias_dtype,
+                    biases = pair_biases(part_offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], q.dtype,
                                          part_targets, context_len)
                 _backward_kv(
                     _grid("BLOCK_N", (part_offsets.numel() - 1) * heads, max_seq_len),
                     (q, k, v, grad, dk, dvv, ds, part_offsets, timestamps, part_targets if part_targets is not None else
                      part_offsets, position_bias, time_bias, *part_tables, biases, *sizes),
-                    dict(STORE_DS=True, BY_DESCRIPTOR=by_descriptor, BIAS_TILES=tiled,
-                         **dict(common, TWO_BUCKET_TILES=common["TWO_BUCKET_TILES"] and not tiled)),
+                    dict(common, STORE_DS=True, BY_DESCRIPTOR=by_descriptor, BIAS_TILES=tiled,
+                         TWO_BUCKET_TILES=common["TWO_BUCKET_TILES"] and not tiled),
                 )
                 _launch_dq(ds, k, dq, part_offsets, timestamps, max_seq_len, part_targets, context_len)
                 if bias_grads:
@@ -561,14 +562,11 @@ def hstu_attention_backward(
 
 
 def _pair_bias_tiles(sequences: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the forward reads its biases from the prepass's buffer (bias_tiles.py): where
-    the buffer, a max_seq_len² block of dtype per sequence, fits the budget the stored dS
-    has (SCORE_GRADS_BUFFER_BYTES, and on a GPU a share of its memory); else each tile
-    computes them."""
-    budget = SCORE_GRADS_BUFFER_BYTES
-    if device.type == "cuda":
-        budget = min(budget, _device_memory(device) // SCORE_GRADS_MEMORY_SHARE)
-    return PAIR_BIAS_TILES and sequences * max_seq_len * score_grads_row_length(max_seq_len) * dtype.itemsize <= budget
+    """Whether the forward reads its biases from the prepass's buffer (bias_tiles.py), with
+    PAIR_BIAS_TILES on: where the buffer, laid out as the stored dS of one head, holds every
+    sequence within the stored dS's budget (_score_grads_chunk); else each tile computes
+    them."""
+    return PAIR_BIAS_TILES and _score_grads_chunk(sequences, 1, max_seq_len, dtype, device) == sequences
 
 
 def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> int:
