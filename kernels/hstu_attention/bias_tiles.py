@@ -47,11 +47,11 @@ def _pair_biases_kernel(
 ):
     """Both biases of rows m0 .. m0 + BLOCK_M - 1 of one sequence against every key any of
     them attends to."""
-    m0, _, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, 1, BLOCK_M, HAS_TARGETS)
+    m0, _head, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, 1, BLOCK_M, HAS_TARGETS)
     if m0 >= n:
         return
     rows, row_live, t_rows = _block_times(timestamps_ptr, start, t0, m0, n, BLOCK_M)
-    _, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
+    _begin, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
     at = _pair_biases_slot(bias_ptr, b, max_seq_len) + (rows * _row_length(max_seq_len))[:, None]
     for n0 in range(0, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
