@@ -64,10 +64,12 @@ def other_attention(root: Path):
     return importlib.import_module(f"{name}.hstu_attention").hstu_attention
 
 
-def pair_bias_tiles(package: str) -> bool:
+def pair_bias_tiles(package: str) -> dict:
     """Whether a kernels package's attention reads its biases from the prepass's tiles
-    (HSTU_PAIR_BIAS_TILES=1; False for a checkout from before that switch)."""
-    return getattr(importlib.import_module(f"{package}.hstu_attention.triton_kernels"), "PAIR_BIAS_TILES", False)
+    (HSTU_PAIR_BIAS_TILES), and from which max_seq_len on (off for a checkout from before
+    the switch; from length 0 for one from before the length floor)."""
+    kernels = importlib.import_module(f"{package}.hstu_attention.triton_kernels")
+    return {"on": getattr(kernels, "PAIR_BIAS_TILES", False), "min_length": getattr(kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)}
 
 
 def tuned_choices(package: str) -> dict:

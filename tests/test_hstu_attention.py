@@ -482,10 +482,11 @@ def test_pair_biases_match_the_twin_where_rows_attend(dtype, targets, context_le
 @pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
 def test_attention_from_pair_biases_and_from_biases_per_tile_match_the_twin(monkeypatch, by_descriptor, targets, context_len):
     """The forward and the dK dV kernel reading the prepass's pair biases (through a tensor
-    descriptor, or pointers as before Hopper), and computing them per tile (PAIR_BIAS_TILES
-    off), both match the twin; the reads take place (a prepass that writes 0 fails)."""
+    descriptor, or pointers as before Hopper), and computing them per tile (below
+    PAIR_BIAS_TILES_MIN_LENGTH), both match the twin; the reads take place (a prepass that writes 0 fails)."""
     monkeypatch.setattr(triton_kernels, "_descriptor_stores", lambda device: by_descriptor)
     monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES", True)
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)
     calls = []
 
     def counted(*args):
@@ -495,6 +496,6 @@ def test_attention_from_pair_biases_and_from_biases_per_tile_match_the_twin(monk
     monkeypatch.setattr(triton_kernels, "pair_biases", counted)
     test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 50, 64, targets, context_len)
     assert len(calls) == 2  # the forward's, and the backward's again
-    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES", False)
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 1 << 20)  # below the floor: per tile
     test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 50, 64, targets, context_len)
     assert len(calls) == 2

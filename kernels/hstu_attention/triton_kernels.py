@@ -18,9 +18,8 @@ buffer holds up to SCORE_GRADS_BUFFER_BYTES, some sequences at a time; where one
 sequence's dS would not fit, a kernel per query block recomputes the scores once more
 for dQ and the biases' gradients, each head's on its own.
 
-With PAIR_BIAS_TILES (off by default, HSTU_PAIR_BIAS_TILES=1) and where the buffer fits
-(_pair_bias_tiles), a prepass writes both biases of every attended pair once
-(bias_tiles.py), and the forward and the dK dV kernel read each tile's biases from it, so
+From PAIR_BIAS_TILES_MIN_LENGTH on and where the buffer fits (_pair_bias_tiles), a
+prepass writes both biases of every attended pair once (bias_tiles.py), and the forward and the dK dV kernel read each tile's biases from it, so
 their tiles do no per-pair bias work; the mask remains. Otherwise, and in the kernels that
 need each pair's bucket (the biases' gradients), each kernel walks its tiles in three
 loops: the tiles whose every pair is allowed (wholly
@@ -74,13 +73,15 @@ TWO_BUCKET_MIN_LENGTH = 1024
 SCORE_GRADS_BUFFER_BYTES = 4 << 30
 SCORE_GRADS_MEMORY_SHARE = 16
 DESCRIPTOR_STORE_MIN_CAPABILITY = 9  # the Tensor Memory Accelerator's: Hopper on
-# With HSTU_PAIR_BIAS_TILES=1 the forward and the dK dV kernel read both biases of each pair
-# from a prepass's buffer (bias_tiles.py) where it fits the stored dS's budget
+# The forward and the dK dV kernel read both biases of each pair from a prepass's buffer
+# (bias_tiles.py) from PAIR_BIAS_TILES_MIN_LENGTH on, where it fits the stored dS's budget
 # (_pair_bias_tiles); otherwise each tile computes them (the two-bucket tiles and the
-# rest). Off by default until timed on a GPU (benchmarks/hstu_attention.md, "Both biases
-# from a prepass, read as tiles")
+# rest). HSTU_PAIR_BIAS_TILES=0 turns the prepass off. Below that length the prepass's
+# launch costs more than it saves (benchmarks/hstu_attention.md, "Both biases from a
+# prepass, read as tiles").
 PAIR_BIAS_TILES_ENV = "HSTU_PAIR_BIAS_TILES"
-PAIR_BIAS_TILES = os.environ.get(PAIR_BIAS_TILES_ENV, "0") == "1"
+PAIR_BIAS_TILES = os.environ.get(PAIR_BIAS_TILES_ENV, "1") != "0"
+PAIR_BIAS_TILES_MIN_LENGTH = 256
 TUNING_KEY = ["DQK", "DV", "length_class"]  # length_class: max_seq_len's power of two
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
 
@@ -535,7 +536,7 @@ def hstu_attention_backward(
                 triton.set_allocator(_descriptor_scratch)
             # the forward's biases, made again per chunk: a chunk's pair biases are the size
             # of one head's dS in the buffer, so they fit wherever the buffer does
-            tiled = PAIR_BIAS_TILES
+            tiled = _pair_bias_tiles(chunk, max_seq_len, q.dtype, q.device)
             for first in range(0, sequences, chunk):
                 part = _some_sequences(first, min(sequences, first + chunk), offsets, num_targets, tables)
                 part_offsets, part_targets, part_tables = part
@@ -562,11 +563,15 @@ def hstu_attention_backward(
 
 
 def _pair_bias_tiles(sequences: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the forward reads its biases from the prepass's buffer (bias_tiles.py), with
-    PAIR_BIAS_TILES on: where the buffer, laid out as the stored dS of one head, holds every
-    sequence within the stored dS's budget (_score_grads_chunk); else each tile computes
-    them."""
-    return PAIR_BIAS_TILES and _score_grads_chunk(sequences, 1, max_seq_len, dtype, device) == sequences
+    """Whether the forward (or the backward, per chunk of sequences) reads its biases from
+    the prepass's buffer (bias_tiles.py): with PAIR_BIAS_TILES on, from
+    PAIR_BIAS_TILES_MIN_LENGTH on, where the buffer, laid out as the stored dS of one head,
+    holds all of the sequences within the stored dS's budget (_score_grads_chunk); else
+    each tile computes them."""
+    return (
+        PAIR_BIAS_TILES and max_seq_len >= PAIR_BIAS_TILES_MIN_LENGTH
+        and _score_grads_chunk(sequences, 1, max_seq_len, dtype, device) == sequences
+    )
 
 
 def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> int:
