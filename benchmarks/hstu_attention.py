@@ -77,7 +77,9 @@ def tuned_choices(package: str) -> dict:
     attention kernels ("kernels", or other_attention's), by the launch's tuning key and
     constants: what a row's figures were timed with."""
     launches = {}
-    for module, names in (("triton_kernels", ("_forward", "_backward_kv", "_backward_q")), ("score_grads", ("_dq", "_bias_grads"))):
+    attention = ("_forward", "_backward_kv", "_backward_q")
+    # (in triton_kernels for a checkout from before attention_kernels.py)
+    for module, names in (("attention_kernels", attention), ("triton_kernels", attention), ("score_grads", ("_dq", "_bias_grads"))):
         try:
             kernels = importlib.import_module(f"{package}.hstu_attention.{module}")
         except ImportError:  # (a checkout from before that module)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_path import write_results  # noqa: E402
 
-from kernels.hstu_attention import score_grads, triton_kernels as tk  # noqa: E402
+from kernels.hstu_attention import attention_kernels as ak, score_grads, triton_kernels as tk  # noqa: E402
 
 # the most shared memory a block may take (bytes), by compute capability
 LIMITS = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
@@ -65,16 +65,17 @@ def main() -> None:
     print(f"sm_{args.arch}: at most {limit} bytes of shared memory a block")
     for dim in args.head_dims:
         attention = dict(HAS_TARGETS=False, TWO_BUCKET_TILES=True, DQK=dim, DV=dim, BLOCK_DQK=dim, BLOCK_DV=dim)
-        # (the forward and the dK dV kernel reading the pair biases' buffer where
-        # HSTU_PAIR_BIAS_TILES=1 turns it on, else computing them per tile)
+        # (the forward and the dK dV kernel reading the pair biases' buffer, as they do
+        # from PAIR_BIAS_TILES_MIN_LENGTH on unless HSTU_PAIR_BIAS_TILES=0; else computing
+        # them per tile)
         tiles = dict(BIAS_TILES=tk.PAIR_BIAS_TILES, BY_DESCRIPTOR=by_descriptor, TWO_BUCKET_TILES=not tk.PAIR_BIAS_TILES)
         kernels = [
-            ("forward, one head", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=False, **tiles)),
-            ("forward, two heads", tk._forward_kernel, tk.CONFIGS, dict(attention, PAIR=True, **tiles)),
-            ("backward dK dV", tk._backward_kv_kernel, tk.CONFIGS,
+            ("forward, one head", ak._forward_kernel, ak.CONFIGS, dict(attention, PAIR=False, **tiles)),
+            ("forward, two heads", ak._forward_kernel, ak.CONFIGS, dict(attention, PAIR=True, **tiles)),
+            ("backward dK dV", ak._backward_kv_kernel, ak.CONFIGS,
              dict(attention, STORE_DS=False, BY_DESCRIPTOR=False, BIAS_TILES=False)),
-            ("backward dK dV, dS stored", tk._backward_kv_kernel, tk.CONFIGS, dict(attention, STORE_DS=True, **tiles)),
-            ("backward dQ", tk._backward_q_kernel, tk.CONFIGS, dict(attention, BIAS_GRADS=True)),
+            ("backward dK dV, dS stored", ak._backward_kv_kernel, ak.CONFIGS, dict(attention, STORE_DS=True, **tiles)),
+            ("backward dQ", ak._backward_q_kernel, ak.CONFIGS, dict(attention, BIAS_GRADS=True)),
             ("dQ from stored dS", score_grads._dq_kernel, score_grads.DQ_CONFIGS, dict(HAS_TARGETS=False, DQK=dim, BLOCK_DQK=dim)),
         ]
         for label, kernel, configs, constants in kernels:

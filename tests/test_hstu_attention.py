@@ -4,7 +4,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels.hstu_attention import allowed_pairs, bias_tiles, hstu_attention, reference, score_grads, time_buckets, triton_kernels
+from kernels.hstu_attention import allowed_pairs, attention_kernels, bias_tiles, hstu_attention, reference, score_grads, time_buckets, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 4 if DEVICE == "cuda" else 1  # sequences and length on a GPU
@@ -222,8 +222,8 @@ def test_every_tuning_configuration_matches_the_twin(monkeypatch, stored):
     configurations of their own, taken in step with the others')."""
     if not stored:
         monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 0)
-    tuned = [triton_kernels._forward, triton_kernels._backward_kv, triton_kernels._backward_q]
-    configs = [triton_kernels.CONFIGS] * 3
+    tuned = [attention_kernels._forward, attention_kernels._backward_kv, attention_kernels._backward_q]
+    configs = [attention_kernels.CONFIGS] * 3
     if stored:
         tuned += [score_grads._dq, score_grads._bias_grads]
         configs += [score_grads.DQ_CONFIGS, score_grads.BIAS_CONFIGS]
@@ -249,17 +249,15 @@ def test_every_tuning_configuration_matches_the_twin(monkeypatch, stored):
 
 
 def test_later_launches_reuse_the_tuners_choice_and_give_the_same_result():
-    from kernels.hstu_attention import triton_kernels
-
-    triton_kernels._forward.forget()
+    attention_kernels._forward.forget()
     tensors, offsets, _ = case(3, [7, 0, 20], 2, 16, 16, 24, torch.float32)
     args = [tensors[n].detach() for n in ("q", "k", "v")] + [offsets, tensors["timestamps"]]
     args += [tensors["position_bias"].detach(), tensors["time_bias"].detach(), 24]
     first = triton_kernels.hstu_attention(*args)  # through the autotuner
-    (config,) = triton_kernels._forward.chosen.values()
-    assert config in triton_kernels._forward.tuner.configs
+    (config,) = attention_kernels._forward.chosen.values()
+    assert config in attention_kernels._forward.tuner.configs
     second = triton_kernels.hstu_attention(*args)  # the chosen configuration, launched directly
-    assert len(triton_kernels._forward.chosen) == 1 and torch.equal(first, second)
+    assert len(attention_kernels._forward.chosen) == 1 and torch.equal(first, second)
 
 
 def test_time_buckets_are_exact_at_every_edge():

@@ -1,5 +1,5 @@
 """The attention's backward from stored score gradients (dS): the dK dV kernel
-(triton_kernels._backward_kv_kernel with STORE_DS) writes each tile's dS, masked, in the
+(attention_kernels._backward_kv_kernel with STORE_DS) writes each tile's dS, masked, in the
 inputs' dtype, into a buffer of (sequences, heads, max_seq_len, max_seq_len), each row
 padded to score_grads_row_length(max_seq_len) entries; from it
 
