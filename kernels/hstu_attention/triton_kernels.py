@@ -200,7 +200,7 @@ def hstu_attention_backward(
                 triton.set_allocator(_descriptor_scratch)
             # the forward's biases, made again per chunk: a chunk's pair biases are the size
             # of one head's dS in the buffer, so they fit wherever the buffer does
-            tiled = _pair_bias_tiles(chunk, max_seq_len, q.dtype, q.device)
+            tiled = reads_pair_biases(max_seq_len)
             for first in range(0, sequences, chunk):
                 part = _some_sequences(first, min(sequences, first + chunk), offsets, num_targets, tables)
                 part_offsets, part_targets, part_tables = part
@@ -226,16 +226,20 @@ def hstu_attention_backward(
     return dq, dk, dvv, *copies.sum(0).split(bias_sizes)
 
 
+def reads_pair_biases(max_seq_len: int) -> bool:
+    """Whether the forward and the dK dV kernel read their biases from the prepass's buffer
+    (bias_tiles.py) at this length: with PAIR_BIAS_TILES on, from PAIR_BIAS_TILES_MIN_LENGTH
+    on. The forward also needs the buffer to fit (_pair_bias_tiles); the backward's chunks
+    always do."""
+    return PAIR_BIAS_TILES and max_seq_len >= PAIR_BIAS_TILES_MIN_LENGTH
+
+
 def _pair_bias_tiles(sequences: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the forward (or the backward, per chunk of sequences) reads its biases from
-    the prepass's buffer (bias_tiles.py): with PAIR_BIAS_TILES on, from
-    PAIR_BIAS_TILES_MIN_LENGTH on, where the buffer, laid out as the stored dS of one head,
-    holds all of the sequences within the stored dS's budget (_score_grads_chunk); else
-    each tile computes them."""
-    return (
-        PAIR_BIAS_TILES and max_seq_len >= PAIR_BIAS_TILES_MIN_LENGTH
-        and _score_grads_chunk(sequences, 1, max_seq_len, dtype, device) == sequences
-    )
+    """Whether the forward reads its biases from the prepass's buffer: where
+    reads_pair_biases and the buffer, laid out as the stored dS of one head, holds all of
+    the sequences within the stored dS's budget (_score_grads_chunk); else each tile
+    computes them."""
+    return reads_pair_biases(max_seq_len) and _score_grads_chunk(sequences, 1, max_seq_len, dtype, device) == sequences
 
 
 def _score_grads_chunk(sequences: int, heads: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> int:
