@@ -69,11 +69,14 @@ def main() -> None:
         # from PAIR_BIAS_TILES_MIN_LENGTH on unless HSTU_PAIR_BIAS_TILES=0; else computing
         # them per tile)
         tiles = dict(BIAS_TILES=tk.PAIR_BIAS_TILES, BY_DESCRIPTOR=by_descriptor, TWO_BUCKET_TILES=not tk.PAIR_BIAS_TILES)
+        # (K and V, Q and dO through descriptors of a head's rows where the forward and the
+        # dK dV kernel read them so: with the prepass's biases, on GPUs with descriptors)
+        tiles["ROWS_BY_DESCRIPTOR"] = tk.PAIR_BIAS_TILES and tk.ROWS_BY_DESCRIPTOR and by_descriptor
         kernels = [
             ("forward, one head", ak._forward_kernel, ak.CONFIGS, dict(attention, PAIR=False, **tiles)),
             ("forward, two heads", ak._forward_kernel, ak.CONFIGS, dict(attention, PAIR=True, **tiles)),
             ("backward dK dV", ak._backward_kv_kernel, ak.CONFIGS,
-             dict(attention, STORE_DS=False, BY_DESCRIPTOR=False, BIAS_TILES=False)),
+             dict(attention, STORE_DS=False, BY_DESCRIPTOR=False, BIAS_TILES=False, ROWS_BY_DESCRIPTOR=False)),
             ("backward dK dV, dS stored", ak._backward_kv_kernel, ak.CONFIGS, dict(attention, STORE_DS=True, **tiles)),
             ("backward dQ", ak._backward_q_kernel, ak.CONFIGS, dict(attention, BIAS_GRADS=True)),
             ("dQ from stored dS", score_grads._dq_kernel, score_grads.DQ_CONFIGS, dict(HAS_TARGETS=False, DQK=dim, BLOCK_DQK=dim)),

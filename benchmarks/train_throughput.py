@@ -222,6 +222,7 @@ def run(
         "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
         "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "compile_blocks": config.compile_blocks, "row_multiple": config.row_multiple,
         "layer_norm_kernel": config.layer_norm_kernel, "pair_bias_tiles": triton_kernels.reads_pair_biases(config.max_seq_len),
+        "rows_by_descriptor": triton_kernels.ROWS_BY_DESCRIPTOR,
         "embedding_capacity": config.embedding_capacity, "embedding_max_capacity": config.embedding_max_capacity, "users": users, "workers": workers,
         "timed_steps": timer.steps, "seconds": timer.elapsed,
         "samples_per_s": sum(len(x) for x in lengths) / timer.elapsed,

@@ -476,6 +476,52 @@ def test_pair_biases_match_the_twin_where_rows_attend(dtype, targets, context_le
         assert torch.equal(got[b, :n, :n][attended], want[b, :n, :n][attended]), b
 
 
+def test_rows_by_descriptor_only_where_a_descriptor_reads_them(monkeypatch):
+    """A head's rows go through a descriptor only where they start 16 bytes apart, the
+    tensor at a multiple of 16 bytes and contiguous, from the head-dim floor on."""
+    def rows(dim, dtype=torch.float16):
+        return torch.zeros(10, 2, dim, dtype=dtype)
+
+    assert triton_kernels._rows_by_descriptor(rows(128), rows(128, torch.float32))
+    assert not triton_kernels._rows_by_descriptor(rows(128), rows(64))  # below ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM
+    monkeypatch.setattr(triton_kernels, "ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM", 16)
+    assert triton_kernels._rows_by_descriptor(rows(64), rows(24))
+    assert not triton_kernels._rows_by_descriptor(rows(50))  # rows 100 bytes apart
+    assert not triton_kernels._rows_by_descriptor(torch.zeros(10 * 2 * 64 + 1, dtype=torch.float16)[1:].view(10, 2, 64))
+    assert not triton_kernels._rows_by_descriptor(torch.zeros(10, 2, 128, dtype=torch.float16)[..., :64])
+    monkeypatch.setattr(triton_kernels, "ROWS_BY_DESCRIPTOR", False)
+    assert not triton_kernels._rows_by_descriptor(rows(128))
+
+
+@pytest.mark.parametrize("rows_by_descriptor", [False, True])
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
+def test_rows_through_descriptors_and_through_pointers_match_the_twin(monkeypatch, rows_by_descriptor, targets, context_len):
+    """K and V in the forward, Q and dO in the dK dV kernel, read through tensor descriptors
+    of a head's rows (with the biases from the prepass, one head a program) or through
+    pointers (with the biases from the prepass, or per tile; two heads a program): all
+    match the twin, and each launch reads the rows as asked."""
+    monkeypatch.setattr(triton_kernels, "ROWS_BY_DESCRIPTOR", rows_by_descriptor)
+    monkeypatch.setattr(triton_kernels, "ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM", 32)  # (the case's head dims: 64 and 32)
+    launches = []
+
+    def recorded(name):
+        launch = getattr(triton_kernels, name)
+
+        def record(grid, args, constants):
+            launches.append((name, constants["ROWS_BY_DESCRIPTOR"], constants.get("PAIR")))
+            return launch(grid, args, constants)
+        return record
+
+    for name in ("_forward", "_backward_kv"):
+        monkeypatch.setattr(triton_kernels, name, recorded(name))
+    for floor in (0, 1 << 20):  # the prepass, and the biases per tile
+        monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", floor)
+        test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 64, 32, targets, context_len)
+    # the prepass's forward and dK dV kernel, then the same per tile
+    with_prepass = [("_forward", rows_by_descriptor, not rows_by_descriptor), ("_backward_kv", rows_by_descriptor, None)]
+    assert launches == with_prepass + [("_forward", False, True), ("_backward_kv", False, None)]
+
+
 @pytest.mark.parametrize("by_descriptor", [False, True])
 @pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
 def test_attention_from_pair_biases_and_from_biases_per_tile_match_the_twin(monkeypatch, by_descriptor, targets, context_len):

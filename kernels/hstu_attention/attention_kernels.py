@@ -7,7 +7,10 @@ steps through the key blocks its rows may attend to, computing the scores in flo
 the two biases either read as a tile from the pair biases' prepass (BIAS_TILES,
 bias_tiles.py) or looked up from their tables per pair (no (L, L) tensor in memory), and
 accumulates SiLU(scores) / max_seq_len · V. The grid is sized by max_seq_len, so no
-length is read on the host; programs past their sequence's end return at once.
+length is read on the host; programs past their sequence's end return at once. With
+ROWS_BY_DESCRIPTOR the blocks of rows a kernel reads per tile (K and V in the forward, Q
+and dO in the dK dV kernel) come through tensor descriptors of a head's rows
+(tiles._head_rows_in), else through pointers.
 Backward: _backward_kv_kernel, a program per key block, recomputes the scores and gives
 dK and dV, and with STORE_DS writes each tile's dS (the scores' gradient) into a buffer
 (score_grads.py: dQ and the biases' gradients from it); _backward_q_kernel, a program per
@@ -32,7 +35,7 @@ from .bias_grads import _add_bias_grads, _bias_grad_copy
 from .score_grads import _row_length, _score_grads_at, _score_grads_slot
 from .tiles import (
     _allowed, _attend, _biased_scores, _biases, _counted, _head_rows, _key_ranges, _load_head_rows, _program_block, _query_ranges,
-    _row_block, _sigmoid, _two_bucket_run,
+    _head_rows_in, _row_block, _sigmoid, _two_bucket_run,
 )
 from .time_buckets import _tile_buckets, _tile_extremes
 
@@ -70,17 +73,20 @@ def _biases_in(biases_ptr, b, n, max_seq_len, BY_DESCRIPTOR: tl.constexpr, BLOCK
 
 @triton.jit
 def _forward_tile(
-    acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+    acc, acc2, q, q2, rows, t_rows, n0, k_in, v_in, k2_in, v2_in, timestamps_ptr, start, t0, n, history_end, heads, h,
     position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high, biases_in, m0,
     MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, PAIR: tl.constexpr, BIAS_TILES: tl.constexpr,
-    BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BY_DESCRIPTOR: tl.constexpr, ROWS_BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """The tile of key rows n0 .. n0 + BLOCK_N - 1 added into head h's acc, and (PAIR) head
     h + 1's acc2: the biases and the mask are the heads' own, computed once for both, or
     (BIAS_TILES) read from the prepass's tile (bias_tiles.py): biases_in is the sequence's
-    descriptor (BY_DESCRIPTOR), else its block's pointer."""
-    cols, col_live, k, v, t_cols = _row_block(k_ptr, v_ptr, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV)
+    descriptor (BY_DESCRIPTOR), else its block's pointer. k_in, v_in (k2_in, v2_in: head
+    h + 1's) are K's and V's pointers, or (ROWS_BY_DESCRIPTOR) their heads' descriptors."""
+    cols, col_live, k, v, t_cols = _row_block(
+        k_in, v_in, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, ROWS_BY_DESCRIPTOR,
+    )
     if BIAS_TILES:
         bias = _tile_biases(biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR)
     else:
@@ -93,8 +99,12 @@ def _forward_tile(
         allowed = _allowed(rows, cols, n, history_end, context_len)
     acc = _attend(acc, q, k, v, bias, allowed, scale, MASKED)
     if PAIR:
-        k2 = _load_head_rows(k_ptr, start, cols, col_live, heads, h + 1, DQK, BLOCK_DQK)
-        v2 = _load_head_rows(v_ptr, start, cols, col_live, heads, h + 1, DV, BLOCK_DV)
+        if ROWS_BY_DESCRIPTOR:
+            k2 = k2_in.load([n0, 0])
+            v2 = v2_in.load([n0, 0])
+        else:
+            k2 = _load_head_rows(k2_in, start, cols, col_live, heads, h + 1, DQK, BLOCK_DQK)
+            v2 = _load_head_rows(v2_in, start, cols, col_live, heads, h + 1, DV, BLOCK_DV)
         acc2 = _attend(acc2, q2, k2, v2, bias, allowed, scale, MASKED)
     return acc, acc2
 
@@ -104,13 +114,14 @@ def _forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr, edges_ptr,
     thresholds_ptr, ext_ptr, ext_blocks, biases_ptr, heads, max_seq_len, num_buckets, context_len, scale, length_class,
     HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, PAIR: tl.constexpr, BIAS_TILES: tl.constexpr,
-    BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BY_DESCRIPTOR: tl.constexpr, ROWS_BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """The output of a block of query rows of one head, or (PAIR) of two consecutive heads,
     which share the tiles' biases and masks; BIAS_TILES: the biases read from biases_ptr,
     the prepass's buffer (bias_tiles.py), through a descriptor of the sequence's block
-    where BY_DESCRIPTOR."""
+    where BY_DESCRIPTOR; ROWS_BY_DESCRIPTOR: K's and V's blocks through descriptors of the
+    heads' rows (tiles._head_rows_in)."""
     m0, h, b, start, n, history_end, t0 = _program_block(
         offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_M, HAS_TARGETS, 2 if PAIR else 1,
     )
@@ -119,6 +130,13 @@ def _forward_kernel(
     biases_in = biases_ptr
     if BIAS_TILES:
         biases_in = _biases_in(biases_ptr, b, n, max_seq_len, BY_DESCRIPTOR, BLOCK_M, BLOCK_N)
+    k_in, v_in, k2_in, v2_in = k_ptr, v_ptr, k_ptr, v_ptr
+    if ROWS_BY_DESCRIPTOR:
+        k_in = _head_rows_in(k_ptr, start, n, heads, h, DQK, BLOCK_N, BLOCK_DQK)
+        v_in = _head_rows_in(v_ptr, start, n, heads, h, DV, BLOCK_N, BLOCK_DV)
+        if PAIR:
+            k2_in = _head_rows_in(k_ptr, start, n, heads, h + 1, DQK, BLOCK_N, BLOCK_DQK)
+            v2_in = _head_rows_in(v_ptr, start, n, heads, h + 1, DV, BLOCK_N, BLOCK_DV)
     rows = m0 + tl.arange(0, BLOCK_M)
     row_live = rows < n
     q = _load_head_rows(q_ptr, start, rows, row_live, heads, h, DQK, BLOCK_DQK)
@@ -142,21 +160,21 @@ def _forward_kernel(
             _, threshold, low, high = _tile_buckets(k_lo, k_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets)
             k_lo, k_hi = _tile_extremes(ext_ptr, entry, tl.minimum(n0 + BLOCK_N, split - BLOCK_N), BLOCK_N)
             acc, acc2 = _forward_tile(
-                acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+                acc, acc2, q, q2, rows, t_rows, n0, k_in, v_in, k2_in, v2_in, timestamps_ptr, start, t0, n, history_end, heads, h,
                 position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high, biases_in,
-                m0, False, True, PAIR, BIAS_TILES, BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                m0, False, True, PAIR, BIAS_TILES, BY_DESCRIPTOR, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             )
     for n0 in range(split, full, BLOCK_N):
         acc, acc2 = _forward_tile(
-            acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+            acc, acc2, q, q2, rows, t_rows, n0, k_in, v_in, k2_in, v2_in, timestamps_ptr, start, t0, n, history_end, heads, h,
             position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0, biases_in, m0,
-            False, False, PAIR, BIAS_TILES, BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            False, False, PAIR, BIAS_TILES, BY_DESCRIPTOR, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     for n0 in range(full, end, BLOCK_N):
         acc, acc2 = _forward_tile(
-            acc, acc2, q, q2, rows, t_rows, n0, k_ptr, v_ptr, timestamps_ptr, start, t0, n, history_end, heads, h,
+            acc, acc2, q, q2, rows, t_rows, n0, k_in, v_in, k2_in, v2_in, timestamps_ptr, start, t0, n, history_end, heads, h,
             position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0, biases_in, m0,
-            True, False, PAIR, BIAS_TILES, BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            True, False, PAIR, BIAS_TILES, BY_DESCRIPTOR, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         )
     out_at, out_mask = _head_rows(out_ptr, start, rows, row_live, heads, h, DV, BLOCK_DV)
     tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -176,16 +194,19 @@ def _score_grads(s, do, v, scale):
 
 @triton.jit
 def _backward_kv_tile(
-    dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n, history_end,
+    dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_in, do_in, ds_out, timestamps_ptr, start, t0, n, history_end,
     heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
     biases_in, MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, STORE_DS: tl.constexpr, BY_DESCRIPTOR: tl.constexpr,
-    BIAS_TILES: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BIAS_TILES: tl.constexpr, ROWS_BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK and dV plus the query rows m0 .. m0 + BLOCK_M - 1's share; (STORE_DS) the tile's
     dS into ds_out: the sequence's descriptor (BY_DESCRIPTOR), else the buffer's pointer;
-    (BIAS_TILES) the biases read through biases_in as the forward reads them."""
-    rows, row_live, q, do, t_rows = _row_block(q_ptr, do_ptr, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV)
+    (BIAS_TILES) the biases read through biases_in as the forward reads them; q_in, do_in:
+    Q's and dO's pointers, or (ROWS_BY_DESCRIPTOR) head h's descriptors."""
+    rows, row_live, q, do, t_rows = _row_block(
+        q_in, do_in, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, ROWS_BY_DESCRIPTOR,
+    )
     if BIAS_TILES:
         s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + _tile_biases(
             biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR,
@@ -216,17 +237,22 @@ def _backward_kv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, ds_ptr, offsets_ptr, timestamps_ptr, targets_ptr, position_ptr, time_ptr,
     edges_ptr, thresholds_ptr, ext_ptr, ext_blocks, biases_ptr, heads, max_seq_len, num_buckets, context_len, scale,
     length_class, HAS_TARGETS: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, STORE_DS: tl.constexpr,
-    BY_DESCRIPTOR: tl.constexpr, BIAS_TILES: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BY_DESCRIPTOR: tl.constexpr, BIAS_TILES: tl.constexpr, ROWS_BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK and dV of a block of key rows: Σ over the query rows that attend to them; and
     (STORE_DS) each tile's dS written into ds_ptr's buffer (score_grads.py), through a
     tensor descriptor of the sequence's block of it where BY_DESCRIPTOR; BIAS_TILES: the
     biases read from biases_ptr, the pair biases' buffer (bias_tiles.py), through a
-    descriptor where BY_DESCRIPTOR."""
+    descriptor where BY_DESCRIPTOR; ROWS_BY_DESCRIPTOR: Q's and dO's blocks through
+    descriptors of head h's rows (tiles._head_rows_in)."""
     n0, h, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, heads, BLOCK_N, HAS_TARGETS)
     if n0 >= n:
         return
+    q_in, do_in = q_ptr, do_ptr
+    if ROWS_BY_DESCRIPTOR:
+        q_in = _head_rows_in(q_ptr, start, n, heads, h, DQK, BLOCK_M, BLOCK_DQK)
+        do_in = _head_rows_in(do_ptr, start, n, heads, h, DV, BLOCK_M, BLOCK_DV)
     biases_in = biases_ptr
     if BIAS_TILES:
         biases_in = _biases_in(biases_ptr, b, n, max_seq_len, BY_DESCRIPTOR, BLOCK_M, BLOCK_N)
@@ -243,9 +269,9 @@ def _backward_kv_kernel(
     first, full = _query_ranges(n0, n, history_end, context_len, BLOCK_M, BLOCK_N)
     for m0 in range(first, tl.minimum(full, n), BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
-            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
+            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_in, do_in, ds_out, timestamps_ptr, start, t0, n,
             history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            biases_in, True, False, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            biases_in, True, False, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     # the unmasked query blocks: the rest, then those to the last whose tiles span two buckets at most
     split, lo, hi, entry = _two_bucket_run(
@@ -253,9 +279,9 @@ def _backward_kv_kernel(
     )
     for m0 in range(full, split, BLOCK_M):
         dk_acc, dv_acc = _backward_kv_tile(
-            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
+            dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_in, do_in, ds_out, timestamps_ptr, start, t0, n,
             history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
-            biases_in, False, False, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            biases_in, False, False, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
         )
     if TWO_BUCKET_TILES:
         last = (tl.cdiv(n, BLOCK_M) - 1) * BLOCK_M  # (the last query block: no extremes are read past it)
@@ -264,9 +290,9 @@ def _backward_kv_kernel(
             _, threshold, low, high = _tile_buckets(q_lo, q_hi, lo, hi, thresholds_ptr, time_ptr, edges_ptr, num_buckets)
             q_lo, q_hi = _tile_extremes(ext_ptr, entry, tl.minimum(m0 + BLOCK_M, last), BLOCK_M)
             dk_acc, dv_acc = _backward_kv_tile(
-                dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_ptr, do_ptr, ds_out, timestamps_ptr, start, t0, n,
+                dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_in, do_in, ds_out, timestamps_ptr, start, t0, n,
                 history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
-                biases_in, False, True, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+                biases_in, False, True, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
             )
     dk_at, dk_mask = _head_rows(dk_ptr, start, cols, col_live, heads, h, DQK, BLOCK_DQK)
     tl.store(dk_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=dk_mask)
@@ -346,8 +372,8 @@ def _backward_q_kernel(
 
 
 # (tuned apart where the biases come from the prepass's tiles: another kernel)
-_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["PAIR", "BIAS_TILES"]))
-_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["STORE_DS", "BIAS_TILES"]))
+_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["PAIR", "BIAS_TILES", "ROWS_BY_DESCRIPTOR"]))
+_backward_kv = TunedLaunches(autotuned(_backward_kv_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY + ["STORE_DS", "BIAS_TILES", "ROWS_BY_DESCRIPTOR"]))
 # (adds into the biases' gradients: zeroed before each trial)
 _backward_q = TunedLaunches(autotuned(
     _backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY, reset_to_zero=["position_grad_ptr", "time_grad_ptr"]

@@ -135,16 +135,34 @@ def _block_times(timestamps_ptr, start, t0, first, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _head_rows_in(ptr, start, n, heads, h, WIDTH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tensor descriptor of head h's rows of one sequence (n rows at `start`) of a
+    (total, heads, WIDTH) tensor, read BLOCK rows at a time: a bulk copy into shared memory
+    (the Tensor Memory Accelerator), zeros past the sequence's end and past WIDTH. Its
+    rows must start 16 bytes apart, and the tensor at a multiple of 16 bytes
+    (triton_kernels._rows_by_descriptor)."""
+    return tl.make_tensor_descriptor(
+        ptr + (start * heads + h) * WIDTH, shape=[n, WIDTH], strides=[heads * WIDTH, 1], block_shape=[BLOCK, BLOCK_D],
+    )
+
+
+@triton.jit
 def _row_block(
-    a_ptr, b_ptr, timestamps_ptr, start, t0, first, n, heads, h, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    a_in, b_in, timestamps_ptr, start, t0, first, n, heads, h, A_WIDTH: tl.constexpr, B_WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BY_DESCRIPTOR: tl.constexpr = False,
 ):
     """Rows first .. first + BLOCK - 1 of a sequence of n rows at `start`: (their indices,
     which are live, their head-h rows of a and of b, their timestamps as float64 offsets
-    from t0). A key block's a and b are K and V; a query block's, Q and dO."""
+    from t0). A key block's a and b are K and V; a query block's, Q and dO. a_in and b_in
+    are the tensors' pointers, or (BY_DESCRIPTOR) their head-h rows' descriptors
+    (_head_rows_in), which read zeros where the pointers' loads mask."""
     idx, live, t = _block_times(timestamps_ptr, start, t0, first, n, BLOCK)
-    a = _load_head_rows(a_ptr, start, idx, live, heads, h, A_WIDTH, BLOCK_A)
-    b = _load_head_rows(b_ptr, start, idx, live, heads, h, B_WIDTH, BLOCK_B)
+    if BY_DESCRIPTOR:
+        a = a_in.load([first, 0])
+        b = b_in.load([first, 0])
+    else:
+        a = _load_head_rows(a_in, start, idx, live, heads, h, A_WIDTH, BLOCK_A)
+        b = _load_head_rows(b_in, start, idx, live, heads, h, B_WIDTH, BLOCK_B)
     return idx, live, a, b, t
 
 

@@ -2,13 +2,16 @@
 reference.py (which states the computation and the masks): what runs and with which
 buffers; the programs are in attention_kernels.py.
 
-Forward: one launch of the forward kernel, two heads a program where the head count is
-even and the device's shared memory holds both heads' blocks. The biases and the mask are
-the same for every head, and cost more per pair than the products: from
+Forward: one launch of the forward kernel, two heads a program where they share per-pair
+work (_pairs_heads) and the device's shared memory holds both heads' blocks. The biases
+and the mask are the same for every head, and cost more per pair than the products: from
 PAIR_BIAS_TILES_MIN_LENGTH on and where the buffer fits (_pair_bias_tiles), a prepass
 writes both biases of every attended pair once (bias_tiles.py), and the forward and the dK
 dV kernel read each tile's biases from it; otherwise each tile computes them (from a
-length class of TWO_BUCKET_MIN_LENGTH with the two-bucket loop, time_buckets.py).
+length class of TWO_BUCKET_MIN_LENGTH with the two-bucket loop, time_buckets.py). Where
+they read the prepass's biases, on GPUs with the Tensor Memory Accelerator, the forward
+reads K and V, and the dK dV kernel Q and dO, through tensor descriptors
+(_rows_by_descriptor).
 Backward: the dK dV kernel writes each tile's dS into a buffer; from it dQ is a product
 with K and the biases' gradients a sum over the heads per pair (score_grads.py), added by
 atomic adds into copies of float32 tables that are summed after the launch
@@ -55,6 +58,17 @@ DESCRIPTOR_STORE_MIN_CAPABILITY = 9  # the Tensor Memory Accelerator's: Hopper o
 PAIR_BIAS_TILES_ENV = "HSTU_PAIR_BIAS_TILES"
 PAIR_BIAS_TILES = os.environ.get(PAIR_BIAS_TILES_ENV, "1") != "0"
 PAIR_BIAS_TILES_MIN_LENGTH = 256
+# Where the forward and the dK dV kernel read the prepass's biases, they read K's and V's
+# blocks (the forward) and Q's and dO's (the dK dV kernel) through tensor descriptors of a
+# head's rows (tiles._head_rows_in) on GPUs with the Tensor Memory Accelerator, where the
+# rows' layout allows it (_rows_by_descriptor); HSTU_ROWS_BY_DESCRIPTOR=0 turns that off
+# (pointer loads, as before Hopper). Only from ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM: with the
+# biases per tile (the paper presets' length 200), and at head dim 64, descriptors were
+# slower (benchmarks/hstu_attention.md, "K and V through descriptors").
+ROWS_BY_DESCRIPTOR_ENV = "HSTU_ROWS_BY_DESCRIPTOR"
+ROWS_BY_DESCRIPTOR = os.environ.get(ROWS_BY_DESCRIPTOR_ENV, "1") != "0"
+ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM = 128
+DESCRIPTOR_ALIGN = 16  # bytes: where a descriptor's tensor starts, and between its rows
 MIN_HEAD_DIM = 16  # tl.dot's least inner size: smaller heads are padded with masked columns
 
 
@@ -104,6 +118,16 @@ def _time_tables(
 _unpaired: set = set()
 
 
+def _pairs_heads(heads: int, tiled: bool, rows_by_descriptor: bool) -> bool:
+    """Whether the forward runs two heads a program (where the device's shared memory holds
+    both heads' key and value blocks): where the head count is even and the biases are
+    computed per tile, which two heads share. With the biases read from the prepass's
+    tiles and K and V through descriptors there is no per-pair work to share, and one head
+    a program takes fewer registers and runs faster (benchmarks/hstu_attention.md, "K and
+    V through descriptors")."""
+    return heads % 2 == 0 and not (tiled and rows_by_descriptor)
+
+
 def _launch_shape(q, v, offsets, max_seq_len):
     """(heads, sequences × heads, the head dims and their blocks as the kernels' constants)."""
     dqk, dv = q.shape[2], v.shape[2]
@@ -130,18 +154,17 @@ def hstu_attention(
         if tiled:
             biases = pair_biases(offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], q.dtype, num_targets, context_len)
             by_descriptor = _descriptor_stores(q.device)
-            if by_descriptor and q.is_cuda:  # (the descriptor's scratch, as the backward's)
-                triton.set_allocator(_descriptor_scratch)
+        rows_by_descriptor = tiled and _rows_by_descriptor(q, k, v)
+        if (by_descriptor or rows_by_descriptor) and q.is_cuda:  # (the descriptors' scratch, as the backward's)
+            triton.set_allocator(_descriptor_scratch)
         args = (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
                 *tables, biases, heads, max_seq_len, num_buckets, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
         common = dict(
             HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=two_buckets, BIAS_TILES=tiled,
-            BY_DESCRIPTOR=by_descriptor, **dims,
+            BY_DESCRIPTOR=by_descriptor, ROWS_BY_DESCRIPTOR=rows_by_descriptor, **dims,
         )
-        # two heads a program, which share the per-pair bias work, where the head count is
-        # even and the device's shared memory holds both heads' key and value blocks
         unpaired_key = (q.device, q.dtype, dims["BLOCK_DQK"], dims["BLOCK_DV"])
-        if heads % 2 == 0 and unpaired_key not in _unpaired:
+        if _pairs_heads(heads, tiled, rows_by_descriptor) and unpaired_key not in _unpaired:
             try:
                 _forward(_grid("BLOCK_M", programs // 2, max_seq_len), args, dict(common, PAIR=True))
                 return out
@@ -185,7 +208,7 @@ def hstu_attention_backward(
             _backward_kv(
                 _grid("BLOCK_N", programs, max_seq_len),
                 (q, k, v, grad, dk, dvv, dk, offsets, timestamps, targets, position_bias, time_bias, *tables, position_bias, *sizes),
-                dict(STORE_DS=False, BY_DESCRIPTOR=False, BIAS_TILES=False, **common),
+                dict(STORE_DS=False, BY_DESCRIPTOR=False, BIAS_TILES=False, ROWS_BY_DESCRIPTOR=False, **common),
             )
             _backward_q(
                 _grid("BLOCK_M", programs, max_seq_len),
@@ -201,6 +224,7 @@ def hstu_attention_backward(
             # the forward's biases, made again per chunk: a chunk's pair biases are the size
             # of one head's dS in the buffer, so they fit wherever the buffer does
             tiled = reads_pair_biases(max_seq_len)
+            rows_by_descriptor = tiled and _rows_by_descriptor(q, grad)
             for first in range(0, sequences, chunk):
                 part = _some_sequences(first, min(sequences, first + chunk), offsets, num_targets, tables)
                 part_offsets, part_targets, part_tables = part
@@ -212,7 +236,7 @@ def hstu_attention_backward(
                     _grid("BLOCK_N", (part_offsets.numel() - 1) * heads, max_seq_len),
                     (q, k, v, grad, dk, dvv, ds, part_offsets, timestamps, part_targets if part_targets is not None else
                      part_offsets, position_bias, time_bias, *part_tables, biases, *sizes),
-                    dict(common, STORE_DS=True, BY_DESCRIPTOR=by_descriptor, BIAS_TILES=tiled,
+                    dict(common, STORE_DS=True, BY_DESCRIPTOR=by_descriptor, BIAS_TILES=tiled, ROWS_BY_DESCRIPTOR=rows_by_descriptor,
                          TWO_BUCKET_TILES=common["TWO_BUCKET_TILES"] and not tiled),
                 )
                 _launch_dq(ds, k, dq, part_offsets, timestamps, max_seq_len, part_targets, context_len)
@@ -259,6 +283,19 @@ def _descriptor_stores(device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= DESCRIPTOR_STORE_MIN_CAPABILITY
+
+
+def _rows_by_descriptor(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel that reads the prepass's biases reads these (total, heads, width)
+    tensors' blocks through descriptors of a head's rows (ROWS_BY_DESCRIPTOR): on GPUs with
+    the Tensor Memory Accelerator (and under the interpreter, so that CI runs that path),
+    where every one is contiguous, of ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM columns a head or
+    more, and each head's rows start at multiples of DESCRIPTOR_ALIGN bytes."""
+    return ROWS_BY_DESCRIPTOR and _descriptor_stores(tensors[0].device) and all(
+        t.is_contiguous() and t.shape[2] >= ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM and t.data_ptr() % DESCRIPTOR_ALIGN == 0
+        and t.shape[2] * t.element_size() % DESCRIPTOR_ALIGN == 0
+        for t in tensors
+    )
 
 
 def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
