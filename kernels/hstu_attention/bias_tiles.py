@@ -26,9 +26,11 @@ from ..launch import cdiv, next_power_of_2
 from .score_grads import _row_length, score_grads_row_length
 from .tiles import _biases, _block_times, _key_ranges, _program_block
 
+# few rows a program: the per-pair work keeps about five registers a pair live, so a
+# thread with fewer pairs leaves room for more warps to hide the gathers' latency
 CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-    for m, n, w, st in ((32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2))
+    for m, n, w, st in ((16, 64, 4, 2), (16, 128, 4, 2), (32, 64, 4, 2))
 ]
 INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
 TUNING_KEY = ["length_class"]
