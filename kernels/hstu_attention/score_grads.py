@@ -38,10 +38,11 @@ DQ_CONFIGS = [
     for m, n, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4))
 ]
 # the biases' gradients: per-pair sums over heads, indices and atomic adds; no products.
-# BLOCK_N at most 128 (the timestamp extremes cover sequences in blocks of that many rows)
+# BLOCK_N at most 128 (the timestamp extremes cover sequences in blocks of that many rows).
+# Blocks of 16 rows: fewer pairs a thread, so more warps an SM wait on the loads and adds
 BIAS_CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-    for m, n, w, st in ((32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 8, 2))
+    for m, n, w, st in ((32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 8, 2), (16, 64, 4, 2), (16, 128, 4, 2))
 ]
 INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
 TUNING_KEY = ["DQK", "length_class"]  # length_class: max_seq_len's power of two
