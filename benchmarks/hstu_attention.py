@@ -66,10 +66,12 @@ def other_attention(root: Path):
 
 def pair_bias_tiles(package: str) -> dict:
     """Whether a kernels package's attention reads its biases from the prepass's tiles
-    (HSTU_PAIR_BIAS_TILES), and from which max_seq_len on (off for a checkout from before
-    the switch; from length 0 for one from before the length floor)."""
+    (HSTU_PAIR_BIAS_TILES), from which max_seq_len on (off for a checkout from before the
+    switch; from length 0 for one from before the length floor), and whether the backward
+    reads the forward's (HSTU_KEEP_PAIR_BIASES; off before that switch)."""
     kernels = importlib.import_module(f"{package}.hstu_attention.triton_kernels")
-    return {"on": getattr(kernels, "PAIR_BIAS_TILES", False), "min_length": getattr(kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)}
+    return {"on": getattr(kernels, "PAIR_BIAS_TILES", False), "min_length": getattr(kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0),
+            "kept_for_the_backward": getattr(kernels, "KEEP_PAIR_BIASES", False)}
 
 
 def tuned_choices(package: str) -> dict:

@@ -522,6 +522,31 @@ def test_rows_through_descriptors_and_through_pointers_match_the_twin(monkeypatc
     assert launches == with_prepass + [("_forward", False, True), ("_backward_kv", False, None)]
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_backward_reads_the_pair_biases_the_forward_kept(monkeypatch, chunked):
+    """With KEEP_PAIR_BIASES the backward reads the forward's pair biases (chunked: a view
+    of each chunk's sequences, where the stored dS runs some sequences at a time) and
+    runs no prepass of its own; outputs and gradients match the twin."""
+    monkeypatch.setattr(triton_kernels, "KEEP_PAIR_BIASES", True)
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)
+    if chunked:  # (one head's biases of every sequence fit, two heads' dS of half of them at a time)
+        lengths = [n * SCALE for n in LENGTHS[0]] * SCALE  # (as the twin test makes them)
+        max_seq_len = max(lengths) + 3
+        entry = max_seq_len * triton_kernels.score_grads_row_length(max_seq_len) * torch.float16.itemsize
+        monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", len(lengths) * entry)
+        chunk = triton_kernels._score_grads_chunk(len(lengths), 2, max_seq_len, torch.float16, torch.device(DEVICE))
+        assert chunk == len(lengths) // 2
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0])
+        return bias_tiles.pair_biases(*args)
+
+    monkeypatch.setattr(triton_kernels, "pair_biases", counted)
+    test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 50, 64, True, 3)
+    assert len(calls) == 1  # the forward's
+
+
 @pytest.mark.parametrize("by_descriptor", [False, True])
 @pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
 def test_attention_from_pair_biases_and_from_biases_per_tile_match_the_twin(monkeypatch, by_descriptor, targets, context_len):

@@ -17,17 +17,21 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len):
         # saved as the kernels read them, so that the backward makes no copy of its own
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ctx.save_for_backward(q, k, v, offsets, timestamps, position_bias, time_bias, num_targets)
+        out, kept_biases = triton_kernels.attention_forward(
+            q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len,
+        )
+        # (kept_biases: the prepass's pair biases where kept for the backward, else None)
+        ctx.save_for_backward(q, k, v, offsets, timestamps, position_bias, time_bias, num_targets, kept_biases)
         ctx.max_seq_len, ctx.context_len = max_seq_len, context_len
-        return triton_kernels.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, offsets, timestamps, position_bias, time_bias, num_targets = ctx.saved_tensors
+        q, k, v, offsets, timestamps, position_bias, time_bias, num_targets, kept_biases = ctx.saved_tensors
         bias_grads = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
         dq, dk, dv, d_position, d_time = triton_kernels.hstu_attention_backward(
             grad, q, k, v, offsets, timestamps, position_bias, time_bias, ctx.max_seq_len, num_targets, ctx.context_len,
-            bias_grads=bias_grads,
+            bias_grads=bias_grads, kept_biases=kept_biases,
         )
         if bias_grads:
             d_position, d_time = d_position.to(position_bias.dtype), d_time.to(time_bias.dtype)

@@ -15,9 +15,11 @@ reads K and V, and the dK dV kernel Q and dO, through tensor descriptors
 Backward: the dK dV kernel writes each tile's dS into a buffer; from it dQ is a product
 with K and the biases' gradients a sum over the heads per pair (score_grads.py), added by
 atomic adds into copies of float32 tables that are summed after the launch
-(bias_grads.py). The buffer holds up to SCORE_GRADS_BUFFER_BYTES, some sequences at a
+(bias_grads.py). The dS buffer holds up to SCORE_GRADS_BUFFER_BYTES, some sequences at a
 time; where one sequence's dS would not fit, a kernel per query block recomputes the
-scores once more for dQ and the biases' gradients, each head's on its own.
+scores once more for dQ and the biases' gradients, each head's on its own. The dK dV
+kernel reads the pair biases from the prepass run again per chunk of sequences, or
+(KEEP_PAIR_BIASES) from the forward's buffer, kept until then.
 """
 import functools
 import os
@@ -58,6 +60,12 @@ DESCRIPTOR_STORE_MIN_CAPABILITY = 9  # the Tensor Memory Accelerator's: Hopper o
 PAIR_BIAS_TILES_ENV = "HSTU_PAIR_BIAS_TILES"
 PAIR_BIAS_TILES = os.environ.get(PAIR_BIAS_TILES_ENV, "1") != "0"
 PAIR_BIAS_TILES_MIN_LENGTH = 256
+# HSTU_KEEP_PAIR_BIASES=1: the forward's pair biases are held until the backward, which reads
+# them instead of running the prepass again: one prepass per layer and step less, for one
+# buffer per layer held between the two (0.54 GB a layer at hstu-long's B16 N4096). Off
+# until a lease times it.
+KEEP_PAIR_BIASES_ENV = "HSTU_KEEP_PAIR_BIASES"
+KEEP_PAIR_BIASES = os.environ.get(KEEP_PAIR_BIASES_ENV, "0") == "1"
 # Where the forward and the dK dV kernel read the prepass's biases, they read K's and V's
 # blocks (the forward) and Q's and dO's (the dK dV kernel) through tensor descriptors of a
 # head's rows (tiles._head_rows_in) on GPUs with the Tensor Memory Accelerator, where the
@@ -142,9 +150,19 @@ def hstu_attention(
     position_bias: torch.Tensor, time_bias: torch.Tensor, max_seq_len: int,
     num_targets: torch.Tensor | None = None, context_len: int = 0,
 ) -> torch.Tensor:
+    return attention_forward(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)[0]
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
+    position_bias: torch.Tensor, time_bias: torch.Tensor, max_seq_len: int,
+    num_targets: torch.Tensor | None = None, context_len: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hstu_attention's output, the prepass's pair biases where the forward read them and
+    KEEP_PAIR_BIASES asks to keep them for the backward, else None)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     heads, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
-    out = v.new_empty(v.shape)
+    out, kept = v.new_empty(v.shape), None
     if out.numel() and programs:
         num_buckets = time_bias.numel() - 1
         tiled = _pair_bias_tiles(offsets.numel() - 1, max_seq_len, q.dtype, q.device)
@@ -154,6 +172,7 @@ def hstu_attention(
         if tiled:
             biases = pair_biases(offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], q.dtype, num_targets, context_len)
             by_descriptor = _descriptor_stores(q.device)
+            kept = biases if KEEP_PAIR_BIASES else None
         rows_by_descriptor = tiled and _rows_by_descriptor(q, k, v)
         if (by_descriptor or rows_by_descriptor) and q.is_cuda:  # (the descriptors' scratch, as the backward's)
             triton.set_allocator(_descriptor_scratch)
@@ -164,30 +183,34 @@ def hstu_attention(
             BY_DESCRIPTOR=by_descriptor, ROWS_BY_DESCRIPTOR=rows_by_descriptor, **dims,
         )
         unpaired_key = (q.device, q.dtype, dims["BLOCK_DQK"], dims["BLOCK_DV"])
+        paired = False
         if _pairs_heads(heads, tiled, rows_by_descriptor) and unpaired_key not in _unpaired:
             try:
                 _forward(_grid("BLOCK_M", programs // 2, max_seq_len), args, dict(common, PAIR=True))
-                return out
+                paired = True
             except OutOfResources:  # raised before the kernel runs: nothing written
                 _unpaired.add(unpaired_key)
-        try:
-            _forward(_grid("BLOCK_M", programs, max_seq_len), args, dict(common, PAIR=False))
-        except OutOfResources as e:
-            device = torch.cuda.get_device_name(q.device) if q.is_cuda else str(q.device)
-            raise RuntimeError(
-                f"hstu_attention: head dims {q.shape[2]} (q, k) and {v.shape[2]} (v) need more shared memory than "
-                f"{device} has for any tile of the forward ({e})"
-            ) from e
-    return out
+        if not paired:
+            try:
+                _forward(_grid("BLOCK_M", programs, max_seq_len), args, dict(common, PAIR=False))
+            except OutOfResources as e:
+                device = torch.cuda.get_device_name(q.device) if q.is_cuda else str(q.device)
+                raise RuntimeError(
+                    f"hstu_attention: head dims {q.shape[2]} (q, k) and {v.shape[2]} (v) need more shared memory than "
+                    f"{device} has for any tile of the forward ({e})"
+                ) from e
+    return out, kept
 
 
 def hstu_attention_backward(
     grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
     position_bias: torch.Tensor, time_bias: torch.Tensor, max_seq_len: int,
     num_targets: torch.Tensor | None = None, context_len: int = 0, bias_grads: bool = True,
+    kept_biases: torch.Tensor | None = None,
 ):
     """(dq, dk, dv, d position_bias, d time_bias); the biases' gradients are float32 (None
-    without bias_grads)."""
+    without bias_grads). kept_biases: the forward's pair biases (attention_forward), read
+    in place of the prepass's again."""
     q, k, v, grad = q.contiguous(), k.contiguous(), v.contiguous(), grad.contiguous()
     heads, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
     # every row belongs to a sequence, whose programs write it whole
@@ -229,7 +252,9 @@ def hstu_attention_backward(
                 part = _some_sequences(first, min(sequences, first + chunk), offsets, num_targets, tables)
                 part_offsets, part_targets, part_tables = part
                 biases = position_bias  # (unread)
-                if tiled:
+                if tiled and kept_biases is not None:  # (a chunk's sequences' blocks: a view)
+                    biases = kept_biases[first:first + part_offsets.numel() - 1]
+                elif tiled:
                     biases = pair_biases(part_offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], q.dtype,
                                          part_targets, context_len)
                 _backward_kv(
