@@ -494,8 +494,7 @@ def test_rows_by_descriptor_only_where_a_descriptor_reads_them(monkeypatch):
 
 
 @pytest.mark.parametrize("rows_by_descriptor", [False, True])
-@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
-def test_rows_through_descriptors_and_through_pointers_match_the_twin(monkeypatch, rows_by_descriptor, targets, context_len):
+def test_rows_through_descriptors_and_through_pointers_match_the_twin(monkeypatch, rows_by_descriptor):
     """K and V in the forward, Q and dO in the dK dV kernel, read through tensor descriptors
     of a head's rows (with the biases from the prepass, one head a program) or through
     pointers (with the biases from the prepass, or per tile; two heads a program): all
@@ -516,26 +515,26 @@ def test_rows_through_descriptors_and_through_pointers_match_the_twin(monkeypatc
         monkeypatch.setattr(triton_kernels, name, recorded(name))
     for floor in (0, 1 << 20):  # the prepass, and the biases per tile
         monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", floor)
-        test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 64, 32, targets, context_len)
+        test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 64, 32, True, 3)
     # the prepass's forward and dK dV kernel, then the same per tile
     with_prepass = [("_forward", rows_by_descriptor, not rows_by_descriptor), ("_backward_kv", rows_by_descriptor, None)]
     assert launches == with_prepass + [("_forward", False, True), ("_backward_kv", False, None)]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_the_backward_reads_the_pair_biases_the_forward_kept(monkeypatch, chunked):
-    """With KEEP_PAIR_BIASES the backward reads the forward's pair biases (chunked: a view
-    of each chunk's sequences, where the stored dS runs some sequences at a time) and
-    runs no prepass of its own; outputs and gradients match the twin."""
+def test_the_backward_reads_the_pair_biases_the_forward_kept(monkeypatch):
+    """With KEEP_PAIR_BIASES the backward reads the forward's pair biases, a view of each
+    chunk's sequences where the stored dS runs some sequences at a time (here two chunks:
+    the first from sequence 0, the second from the middle), and runs no prepass of its
+    own; outputs and gradients match the twin."""
     monkeypatch.setattr(triton_kernels, "KEEP_PAIR_BIASES", True)
     monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)
-    if chunked:  # (one head's biases of every sequence fit, two heads' dS of half of them at a time)
-        lengths = [n * SCALE for n in LENGTHS[0]] * SCALE  # (as the twin test makes them)
-        max_seq_len = max(lengths) + 3
-        entry = max_seq_len * triton_kernels.score_grads_row_length(max_seq_len) * torch.float16.itemsize
-        monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", len(lengths) * entry)
-        chunk = triton_kernels._score_grads_chunk(len(lengths), 2, max_seq_len, torch.float16, torch.device(DEVICE))
-        assert chunk == len(lengths) // 2
+    # one head's biases of every sequence fit the budget, two heads' dS of half of them
+    lengths = [n * SCALE for n in LENGTHS[0]] * SCALE  # (as the twin test makes them)
+    max_seq_len = max(lengths) + 3
+    entry = max_seq_len * triton_kernels.score_grads_row_length(max_seq_len) * torch.float16.itemsize
+    monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", len(lengths) * entry)
+    chunk = triton_kernels._score_grads_chunk(len(lengths), 2, max_seq_len, torch.float16, torch.device(DEVICE))
+    assert chunk == len(lengths) // 2
     calls = []
 
     def counted(*args):
