@@ -126,14 +126,14 @@ def _time_tables(
 _unpaired: set = set()
 
 
-def _pairs_heads(heads: int, tiled: bool, rows_by_descriptor: bool) -> bool:
+def _pairs_heads(heads: int, rows_by_descriptor: bool) -> bool:
     """Whether the forward runs two heads a program (where the device's shared memory holds
-    both heads' key and value blocks): where the head count is even and the biases are
-    computed per tile, which two heads share. With the biases read from the prepass's
-    tiles and K and V through descriptors there is no per-pair work to share, and one head
-    a program takes fewer registers and runs faster (benchmarks/hstu_attention.md, "K and
-    V through descriptors")."""
-    return heads % 2 == 0 and not (tiled and rows_by_descriptor)
+    both heads' key and value blocks): where the head count is even, and K and V come
+    through pointers. With K and V through descriptors the biases come from the prepass's
+    tiles (_rows_by_descriptor's rule), so there is no per-pair work for two heads to
+    share, and one head a program takes fewer registers and runs faster
+    (benchmarks/hstu_attention.md, "K and V through descriptors")."""
+    return heads % 2 == 0 and not rows_by_descriptor
 
 
 def _launch_shape(q, v, offsets, max_seq_len):
@@ -172,10 +172,10 @@ def attention_forward(
         if tiled:
             biases = pair_biases(offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], q.dtype, num_targets, context_len)
             by_descriptor = _descriptor_stores(q.device)
+            if by_descriptor and q.is_cuda:  # (the descriptors' scratch, as the backward's)
+                triton.set_allocator(_descriptor_scratch)
             kept = biases if KEEP_PAIR_BIASES else None
-        rows_by_descriptor = tiled and _rows_by_descriptor(q, k, v)
-        if (by_descriptor or rows_by_descriptor) and q.is_cuda:  # (the descriptors' scratch, as the backward's)
-            triton.set_allocator(_descriptor_scratch)
+        rows_by_descriptor = tiled and _rows_by_descriptor(q, k, v)  # (implies by_descriptor)
         args = (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
                 *tables, biases, heads, max_seq_len, num_buckets, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
         common = dict(
@@ -184,7 +184,7 @@ def attention_forward(
         )
         unpaired_key = (q.device, q.dtype, dims["BLOCK_DQK"], dims["BLOCK_DV"])
         paired = False
-        if _pairs_heads(heads, tiled, rows_by_descriptor) and unpaired_key not in _unpaired:
+        if _pairs_heads(heads, rows_by_descriptor) and unpaired_key not in _unpaired:
             try:
                 _forward(_grid("BLOCK_M", programs // 2, max_seq_len), args, dict(common, PAIR=True))
                 paired = True
