@@ -70,11 +70,15 @@ def main() -> None:
         # them per tile)
         tiles = dict(BIAS_TILES=tk.PAIR_BIAS_TILES, BY_DESCRIPTOR=by_descriptor, TWO_BUCKET_TILES=not tk.PAIR_BIAS_TILES)
         # (K and V, Q and dO through descriptors of a head's rows where the forward and the
-        # dK dV kernel read them so: with the prepass's biases, on GPUs with descriptors)
-        tiles["ROWS_BY_DESCRIPTOR"] = tk.PAIR_BIAS_TILES and tk.ROWS_BY_DESCRIPTOR and by_descriptor
+        # dK dV kernel read them so: with the prepass's biases, on GPUs with descriptors,
+        # from triton_kernels.ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM; the forward then runs one
+        # head a program, and two heads only with pointer rows)
+        tiles["ROWS_BY_DESCRIPTOR"] = (
+            tk.PAIR_BIAS_TILES and tk.ROWS_BY_DESCRIPTOR and by_descriptor and dim >= tk.ROWS_BY_DESCRIPTOR_MIN_HEAD_DIM
+        )
         kernels = [
             ("forward, one head", ak._forward_kernel, ak.CONFIGS, dict(attention, PAIR=False, **tiles)),
-            ("forward, two heads", ak._forward_kernel, ak.CONFIGS, dict(attention, PAIR=True, **tiles)),
+            ("forward, two heads", ak._forward_kernel, ak.CONFIGS, dict(attention, PAIR=True, **dict(tiles, ROWS_BY_DESCRIPTOR=False))),
             ("backward dK dV", ak._backward_kv_kernel, ak.CONFIGS,
              dict(attention, STORE_DS=False, BY_DESCRIPTOR=False, BIAS_TILES=False, ROWS_BY_DESCRIPTOR=False)),
             ("backward dK dV, dS stored", ak._backward_kv_kernel, ak.CONFIGS, dict(attention, STORE_DS=True, **tiles)),
