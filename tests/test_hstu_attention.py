@@ -4,7 +4,9 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels.hstu_attention import allowed_pairs, attention_kernels, bias_tiles, hstu_attention, reference, score_grads, time_buckets, triton_kernels
+from kernels.hstu_attention import (
+    allowed_pairs, attention_kernels, bias_tiles, hstu_attention, kept_biases, reference, score_grads, time_buckets, triton_kernels,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 4 if DEVICE == "cuda" else 1  # sequences and length on a GPU
@@ -546,12 +548,58 @@ def test_the_backward_reads_the_pair_biases_the_forward_kept(monkeypatch):
     assert len(calls) == 1  # the forward's
 
 
+def test_the_buffers_kept_for_the_backward_stay_within_their_budget(monkeypatch):
+    """Two layers' forwards where the budget holds one buffer: the first keeps its pair
+    biases, the second's backward runs the prepass again; the gradients match the twin's,
+    every buffer is released after the backward, and a forward without gradients keeps
+    nothing."""
+    monkeypatch.setattr(triton_kernels, "KEEP_PAIR_BIASES", True)
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)
+    lengths = [n * SCALE for n in LENGTHS[0]] * SCALE
+    max_seq_len = max(lengths) + 3
+    tensors, offsets, num_targets = case(7, lengths, 2, 32, 32, max_seq_len, torch.float16, True)
+    one = len(lengths) * max_seq_len * triton_kernels.score_grads_row_length(max_seq_len) * torch.float16.itemsize
+    device = tensors["q"].device
+    before = kept_biases.held(device)
+    monkeypatch.setattr(kept_biases, "budget", lambda d: before + one)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0])
+        return bias_tiles.pair_biases(*args)
+
+    monkeypatch.setattr(triton_kernels, "pair_biases", counted)
+    grads = {}
+    for backend in ("triton", "reference"):
+        inputs = {name: t.detach().clone().requires_grad_(t.requires_grad) for name, t in tensors.items()}
+        args = (offsets, inputs["timestamps"], inputs["position_bias"], inputs["time_bias"], max_seq_len, num_targets, 3)
+        first = hstu_attention(inputs["q"], inputs["k"], inputs["v"], *args, backend=backend)
+        second = hstu_attention(first, inputs["k"], inputs["v"], *args, backend=backend)
+        if backend == "triton":
+            assert kept_biases.held(device) == before + one and len(calls) == 2
+        second.float().square().sum().backward()
+        grads[backend] = {name: t.grad for name, t in inputs.items() if t.requires_grad}
+    assert len(calls) == 3  # both forwards', and the second layer's backward's
+    assert kept_biases.held(device) == before
+    for name, want in grads["reference"].items():
+        assert close(grads["triton"][name], want, TOLERANCE[torch.float16] * 8), name
+    kept = []
+    monkeypatch.setattr(triton_kernels, "keep", lambda biases: kept.append(biases))
+    with torch.no_grad():
+        hstu_attention(tensors["q"], tensors["k"], tensors["v"], *args, backend="triton")
+    assert len(calls) == 4 and not kept
+    hstu_attention(tensors["q"], tensors["k"], tensors["v"], *args, backend="triton")
+    assert len(calls) == 5 and len(kept) == 1
+
+
 @pytest.mark.parametrize("by_descriptor", [False, True])
 @pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
 def test_attention_from_pair_biases_and_from_biases_per_tile_match_the_twin(monkeypatch, by_descriptor, targets, context_len):
     """The forward and the dK dV kernel reading the prepass's pair biases (through a tensor
     descriptor, or pointers as before Hopper), and computing them per tile (below
-    PAIR_BIAS_TILES_MIN_LENGTH), both match the twin; the reads take place (a prepass that writes 0 fails)."""
+    PAIR_BIAS_TILES_MIN_LENGTH), both match the twin; the reads take place (a prepass that
+    writes 0 fails). The backward runs its own prepass here (KEEP_PAIR_BIASES off)."""
+    monkeypatch.setattr(triton_kernels, "KEEP_PAIR_BIASES", False)
     monkeypatch.setattr(triton_kernels, "_descriptor_stores", lambda device: by_descriptor)
     monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES", True)
     monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)

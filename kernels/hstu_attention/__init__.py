@@ -14,11 +14,12 @@ __all__ = ["hstu_attention", "TIME_BUCKET_LOG", "allowed_pairs", "time_buckets"]
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len):
+    def forward(ctx, q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len, backward_follows):
         # saved as the kernels read them, so that the backward makes no copy of its own
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, kept_biases = triton_kernels.attention_forward(
             q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len,
+            keep_biases=backward_follows,
         )
         # (kept_biases: the prepass's pair biases where kept for the backward, else None)
         ctx.save_for_backward(q, k, v, offsets, timestamps, position_bias, time_bias, num_targets, kept_biases)
@@ -35,7 +36,7 @@ class _Attention(torch.autograd.Function):
         )
         if bias_grads:
             d_position, d_time = d_position.to(position_bias.dtype), d_time.to(time_bias.dtype)
-        return dq, dk, dv, None, None, d_position, d_time, None, None, None
+        return dq, dk, dv, None, None, d_position, d_time, None, None, None, None
 
 
 def hstu_attention(
@@ -57,5 +58,10 @@ def hstu_attention(
     if num_targets is not None and num_targets.shape != (offsets.numel() - 1,):
         raise ValueError(f"num_targets must have one entry per sequence ({offsets.numel() - 1}), got {tuple(num_targets.shape)}")
     if triton:
-        return _Attention.apply(q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len)
+        # (inside the Function's forward grad mode is off, and needs_input_grad ignores no_grad)
+        backward_follows = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, position_bias, time_bias))
+        return _Attention.apply(
+            q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len,
+            backward_follows,
+        )
     return reference.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)

@@ -18,8 +18,8 @@ atomic adds into copies of float32 tables that are summed after the launch
 (bias_grads.py). The dS buffer holds up to SCORE_GRADS_BUFFER_BYTES, some sequences at a
 time; where one sequence's dS would not fit, a kernel per query block recomputes the
 scores once more for dQ and the biases' gradients, each head's on its own. The dK dV
-kernel reads the pair biases from the prepass run again per chunk of sequences, or
-(KEEP_PAIR_BIASES) from the forward's buffer, kept until then.
+kernel reads the pair biases from the forward's buffer, kept until then (KEEP_PAIR_BIASES,
+within kept_biases.py's budget), or else from the prepass run again per chunk of sequences.
 """
 import functools
 import os
@@ -33,6 +33,7 @@ from . import score_grads
 from .attention_kernels import LARGEST_BLOCK, _backward_kv, _backward_q, _forward
 from .bias_tiles import pair_biases
 from .bias_grads import BIAS_GRAD_COPIES
+from .kept_biases import keep
 from .reference import time_bucket_edges
 from .score_grads import score_grads_row_length
 from .time_buckets import bucket_thresholds, timestamp_extremes
@@ -60,12 +61,13 @@ DESCRIPTOR_STORE_MIN_CAPABILITY = 9  # the Tensor Memory Accelerator's: Hopper o
 PAIR_BIAS_TILES_ENV = "HSTU_PAIR_BIAS_TILES"
 PAIR_BIAS_TILES = os.environ.get(PAIR_BIAS_TILES_ENV, "1") != "0"
 PAIR_BIAS_TILES_MIN_LENGTH = 256
-# HSTU_KEEP_PAIR_BIASES=1: the forward's pair biases are held until the backward, which reads
-# them instead of running the prepass again: one prepass per layer and step less, for one
-# buffer per layer held between the two (0.54 GB a layer at hstu-long's B16 N4096). Off
-# until a lease times it.
+# The forward's pair biases are held until the backward, which reads them instead of
+# running the prepass again: one prepass per layer and step less, for one buffer per layer
+# held between the two (0.54 GB a layer at hstu-long's B16 N4096), within a budget of the
+# device's memory (kept_biases.py). HSTU_KEEP_PAIR_BIASES=0 turns it off (a prepass again
+# in each backward, no buffer held).
 KEEP_PAIR_BIASES_ENV = "HSTU_KEEP_PAIR_BIASES"
-KEEP_PAIR_BIASES = os.environ.get(KEEP_PAIR_BIASES_ENV, "0") == "1"
+KEEP_PAIR_BIASES = os.environ.get(KEEP_PAIR_BIASES_ENV, "1") != "0"
 # Where the forward and the dK dV kernel read the prepass's biases, they read K's and V's
 # blocks (the forward) and Q's and dO's (the dK dV kernel) through tensor descriptors of a
 # head's rows (tiles._head_rows_in) on GPUs with the Tensor Memory Accelerator, where the
@@ -156,10 +158,11 @@ def hstu_attention(
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
     position_bias: torch.Tensor, time_bias: torch.Tensor, max_seq_len: int,
-    num_targets: torch.Tensor | None = None, context_len: int = 0,
+    num_targets: torch.Tensor | None = None, context_len: int = 0, keep_biases: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(hstu_attention's output, the prepass's pair biases where the forward read them and
-    KEEP_PAIR_BIASES asks to keep them for the backward, else None)."""
+    """(hstu_attention's output, the prepass's pair biases where the forward read them,
+    keep_biases asks to keep them for a backward, KEEP_PAIR_BIASES allows it and they fit
+    kept_biases's budget; else None)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     heads, programs, dims = _launch_shape(q, v, offsets, max_seq_len)
     out, kept = v.new_empty(v.shape), None
@@ -174,7 +177,8 @@ def attention_forward(
             by_descriptor = _descriptor_stores(q.device)
             if by_descriptor and q.is_cuda:  # (the descriptors' scratch, as the backward's)
                 triton.set_allocator(_descriptor_scratch)
-            kept = biases if KEEP_PAIR_BIASES else None
+            if keep_biases and KEEP_PAIR_BIASES:
+                kept = keep(biases)
         rows_by_descriptor = tiled and _rows_by_descriptor(q, k, v)  # (implies by_descriptor)
         args = (q, k, v, out, offsets, timestamps, num_targets if num_targets is not None else offsets, position_bias, time_bias,
                 *tables, biases, heads, max_seq_len, num_buckets, context_len, 1.0 / max_seq_len, next_power_of_2(max_seq_len))
