@@ -68,12 +68,17 @@ def main() -> None:
     p.add_argument("--out", help="JSON path (default benchmarks/results/layer_norm_<device>.json)")
     args = p.parse_args()
     results = [r for name, (rows, dim) in SHAPES.items() for r in rows_for(name, rows, dim)]
-    print(f"\n{torch.cuda.get_device_name()}: float32 layer norm")
-    print(f"{'shape':30} {'impl':8} {'fwd ms':>8} {'GB/s':>7} {'fwd+bwd ms':>11} {'graph ms':>9}")
-    for r in results:
-        print(f"{r['shape']:30} {r['impl']:8} {r['forward_ms']:8.3f} {r['forward_GBps']:7.0f} {r['forward_backward_ms']:11.3f}"
-              f" {r['forward_backward_graph_ms']:9.3f}")
+    print_table("float32 layer norm", results)
     write_results("layer_norm", results, args.out)
+
+
+def print_table(title: str, results: list[dict]) -> None:
+    """A row-wise op's rows: forward ms and GB/s, forward + backward ms, replayed ms."""
+    print(f"\n{torch.cuda.get_device_name()}: {title}")
+    print(f"{'shape':30} {'impl':9} {'fwd ms':>8} {'GB/s':>7} {'fwd+bwd ms':>11} {'graph ms':>9}")
+    for r in results:
+        print(f"{r['shape']:30} {r['impl']:9} {r['forward_ms']:8.3f} {r['forward_GBps']:7.0f} {r['forward_backward_ms']:11.3f}"
+              f" {r['forward_backward_graph_ms']:9.3f}")
 
 
 if __name__ == "__main__":

@@ -153,11 +153,11 @@ def run(
     device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
     cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2, whole_item_table: int | None = None,
     compile_blocks: bool | None = None, host_profile: bool = False, layer_norm_kernel: bool | None = None, host_sections: bool = False,
-    row_multiple: int | None = None,
+    row_multiple: int | None = None, norm_mul_dropout_kernel: bool | None = None,
 ) -> dict:
     config = preset(preset_name).override(
         batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets, compile_blocks=compile_blocks, embedding_capacity=whole_item_table,
-        layer_norm_kernel=layer_norm_kernel, row_multiple=row_multiple,
+        layer_norm_kernel=layer_norm_kernel, row_multiple=row_multiple, norm_mul_dropout_kernel=norm_mul_dropout_kernel,
         embedding_max_capacity=whole_item_table,
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,7 +221,7 @@ def run(
         "device": device, "device_name": name, "threads": torch.get_num_threads(), "preset": preset_name,
         "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
         "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "compile_blocks": config.compile_blocks, "row_multiple": config.row_multiple,
-        "layer_norm_kernel": config.layer_norm_kernel, "pair_bias_tiles": triton_kernels.reads_pair_biases(config.max_seq_len),
+        "layer_norm_kernel": config.layer_norm_kernel, "norm_mul_dropout_kernel": config.norm_mul_dropout_kernel, "pair_bias_tiles": triton_kernels.reads_pair_biases(config.max_seq_len),
         "rows_by_descriptor": triton_kernels.ROWS_BY_DESCRIPTOR, "keep_pair_biases": triton_kernels.KEEP_PAIR_BIASES,
         "embedding_capacity": config.embedding_capacity, "embedding_max_capacity": config.embedding_max_capacity, "users": users, "workers": workers,
         "timed_steps": timer.steps, "seconds": timer.elapsed,
@@ -251,6 +251,8 @@ def main() -> None:
                    help="the blocks' work around the attention through torch.compile (default: the preset's)")
     p.add_argument("--layer-norm-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' layer norms through kernels.layer_norm (default: the preset's)")
+    p.add_argument("--norm-mul-dropout-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="each block's Dropout(LayerNorm(A V) ⊙ U) through kernels.norm_mul_dropout (default: the preset's)")
     p.add_argument("--count-syncs", action="store_true", help="CUDA: count the timed steps' waits for the device by call site, and list Triton compilations in them (slows the steps)")
     p.add_argument("--whole-item-table", type=int, metavar="ROWS",
                    help="the item table allocated whole at this many rows (capacity = max_capacity: it never grows, so no lookup checks whether it must)")
@@ -263,7 +265,7 @@ def main() -> None:
     rows = [
         run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets, args.count_syncs,
             args.workers, args.whole_item_table, args.compile_blocks, args.host_profile, args.layer_norm_kernel, args.host_sections,
-            args.row_multiple)
+            args.row_multiple, args.norm_mul_dropout_kernel)
         for name in args.preset
     ]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")

@@ -13,10 +13,13 @@ relative position and time-gap biases up from their tables. Each block computes
 
 and the output is L2-normalized. Row t's output depends on rows 0..t of its sequence
 only. The item embeddings come from outside (the dynamic table), so this module holds only
-dense weights.
+dense weights. Where the attention runs its Triton kernels, the last line's
+Dropout(LayerNorm(A V) ⊙ U) is kernels.norm_mul_dropout, one kernel each way with its own
+dropout mask made from a seed (HSTUConfig.norm_mul_dropout_kernel).
 
 A block's work around the attention is two functions of tensors, block_input and
-block_output. With HSTUConfig.compile_blocks they run through torch.compile (one compiled
+block_output (with kernels.norm_mul_dropout, its projection and residual alone:
+projected_residual). With HSTUConfig.compile_blocks they run through torch.compile (one compiled
 function for every block, the row count symbolic; compiled.py): each layer norm, the casts
 autocast makes around it, SiLU, the split into contiguous Q, K, V, the product with U and
 the dropout become a few fused kernels instead of a pass over memory each. So do the
@@ -30,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.backend import use_triton
 from kernels.hstu_attention import hstu_attention
 from kernels.layer_norm import layer_norm
+from kernels.norm_mul_dropout import norm_mul_dropout
 
 from .compiled import compiled
 from .config import HSTUConfig
@@ -85,7 +90,12 @@ def block_output(
 ) -> torch.Tensor:
     """x + W_o · Dropout(LayerNorm(attention) ⊙ U): attention (total, heads, dv) is the
     attention's output, u (total, heads · dv) block_input's U."""
-    return x + output(dropout(norm(attention.reshape(u.shape)) * u))
+    return projected_residual(x, dropout(norm(attention.reshape(u.shape)) * u), output)
+
+
+def projected_residual(x: torch.Tensor, h: torch.Tensor, output: nn.Linear) -> torch.Tensor:
+    """x + W_o · h: a block's output from Dropout(LayerNorm(A V) ⊙ U), h."""
+    return x + output(h)
 
 
 class KernelLayerNorm(nn.LayerNorm):
@@ -114,14 +124,19 @@ class HSTUBlock(nn.Module):
         nn.init.xavier_uniform_(self.output.weight)
         self.dropout = nn.Dropout(c.dropout)
         self.bias = RelativeBias(c.max_seq_len, c.num_time_buckets)
+        self.norm_mul_dropout = c.norm_mul_dropout_kernel
 
     def forward(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, backend: str) -> torch.Tensor:
         # (x, and the attention's output and U: the jagged arguments)
-        into, out_of = (
-            (compiled(block_input, (0,)), compiled(block_output, (0, 1, 2))) if self.compile else (block_input, block_output)
-        )
+        into = compiled(block_input, (0,)) if self.compile else block_input
         u, v, q, k = into(x, self.input_norm, self.uvqk.weight, self.heads, self.dqk, self.dv)
         out = hstu_attention(q, k, v, offsets, timestamps, self.bias.position, self.bias.time, self.max_seq_len, backend=backend)
+        if self.norm_mul_dropout and use_triton(backend, x.device, "attention"):
+            # (its own kernels, outside torch.compile; the projection and the residual compiled)
+            p = self.dropout.p if self.training else 0.0
+            h = norm_mul_dropout(out.reshape(u.shape), u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, p, backend)
+            return (compiled(projected_residual, (0, 1)) if self.compile else projected_residual)(x, h, self.output)
+        out_of = compiled(block_output, (0, 1, 2)) if self.compile else block_output
         return out_of(x, out, u, self.attn_norm, self.output, self.dropout)
 
 

@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="each block's work around the attention through torch.compile (default: the preset's setting)")
     p.add_argument("--layer-norm-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' layer norms through kernels.layer_norm (default: the preset's setting)")
+    p.add_argument("--norm-mul-dropout-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="on GPUs, each block's Dropout(LayerNorm(A V) ⊙ U) through kernels.norm_mul_dropout (default: the preset's setting)")
     p.add_argument("--ddp-step-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="under DDP on GPUs, the whole dense step in one CUDA graph, the gradients' all-reduce in it (default: the preset's setting)")
     p.add_argument("--item-features", action=argparse.BooleanOptionalAction, default=None,
@@ -97,7 +99,8 @@ def model_config(args, catalog_size: int):
     return preset(args.preset).override(
         num_negatives=args.num_negatives, item_features=args.item_features, cuda_graph_buckets=args.cuda_graph_buckets,
         row_multiple=args.row_multiple,
-        compile_blocks=args.compile_blocks, layer_norm_kernel=args.layer_norm_kernel, ddp_step_graph=args.ddp_step_graph, **given
+        compile_blocks=args.compile_blocks, layer_norm_kernel=args.layer_norm_kernel,
+        norm_mul_dropout_kernel=args.norm_mul_dropout_kernel, ddp_step_graph=args.ddp_step_graph, **given
     )
 
 

@@ -14,6 +14,7 @@ from lightning_modules.config import HSTUConfig, preset
 from lightning_modules.data import PackedBatch, jagged_batch, padded, unpacked
 from lightning_modules.data_module import SequenceDataModule
 from lightning_modules.datasets import prepare
+from lightning_modules import hstu
 from lightning_modules.hstu import HSTU, KernelLayerNorm
 from lightning_modules.losses import catalog_softmax_loss, sampled_softmax_loss
 from lightning_modules.module import HSTULightningModule, count_optimizer_step
@@ -350,6 +351,46 @@ def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path):
     trainer, module = fit(3, ckpt_path=path)
     assert trainer.global_step == 3
     assert any(not torch.equal(resumed_from[n], p) for n, p in module.model.named_parameters())
+
+
+def test_the_norm_mul_dropout_kernel_computes_the_blocks_outputs(monkeypatch):
+    """norm_mul_dropout_kernel: where the attention runs its Triton kernels, each block's
+    Dropout(LayerNorm(A V) ⊙ U) is kernels.norm_mul_dropout. Without dropout (eval) the
+    outputs and gradients are torch's ops'; in training they are the twin's under the same
+    seeds (the same masks), and differ from evaluation's."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    plain = HSTU(SMALL.override(norm_mul_dropout_kernel=False), attention_backend="triton").to(device)
+    fused = HSTU(SMALL.override(norm_mul_dropout_kernel=True), attention_backend="triton").to(device)
+    fused.load_state_dict(plain.state_dict())
+    x, ts, offsets = (t.to(device) for t in sequence_batch([5, 3, 0, 7], SMALL.embedding_dim, seed=0))
+    kernel, backends = hstu.norm_mul_dropout, []
+
+    def on(backend):
+        def call(*args):
+            backends.append(args[-1])
+            return kernel(*args[:-1], backend)
+        return call
+
+    def step(model, seed):
+        model.zero_grad()
+        torch.manual_seed(seed)
+        out = model(x, ts, offsets)
+        out.square().sum().backward()
+        return out, model.blocks[0].attn_norm.weight.grad, model.blocks[1].uvqk.weight.grad, model.blocks[0].output.weight.grad
+
+    monkeypatch.setattr(hstu, "norm_mul_dropout", on("triton"))
+    evaluated = [step(model.eval(), 0) for model in (fused, plain)]
+    assert backends == ["triton"] * SMALL.num_blocks  # (the fused model's blocks only)
+    for got, want in zip(*evaluated):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    trained = []
+    for backend in ("triton", "reference"):
+        monkeypatch.setattr(hstu, "norm_mul_dropout", on(backend))
+        trained.append(step(fused.train(), 3))
+    for got, want in zip(*trained):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(trained[0][0], evaluated[0][0], atol=1e-3)
 
 
 def test_the_layer_norm_kernel_computes_the_models_layer_norms():

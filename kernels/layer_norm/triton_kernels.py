@@ -35,11 +35,11 @@ def _tile(first_row, rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     return r, live, c, in_row, r[:, None] * dim + c[None, :], live[:, None] & in_row[None, :]
 
 
-@triton.jit(do_not_specialize=["rows"])  # the row count changes with every batch
-def _forward_kernel(
-    x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, rows, dim, eps,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
+@triton.jit
+def _normalized_rows(x_ptr, weight_ptr, bias_ptr, rows, dim, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile of x's rows normalized, in float32: (its rows, whether each is
+    live, the element offsets and mask (_tile), the rows scaled by weight and shifted by
+    bias, each row's mean and reciprocal standard deviation)."""
     r, live, c, in_row, at, m = _tile(tl.program_id(0) * BLOCK_R, rows, dim, BLOCK_R, BLOCK_D)
     x = tl.load(x_ptr + at, mask=m, other=0).to(tl.float32)
     mean = tl.sum(x, axis=1) / dim
@@ -47,7 +47,22 @@ def _forward_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / dim + eps)
     w = tl.load(weight_ptr + c, mask=in_row, other=0).to(tl.float32)
     b = tl.load(bias_ptr + c, mask=in_row, other=0).to(tl.float32)
-    y = centred * rstd[:, None] * w[None, :] + b[None, :]
+    return r, live, at, m, centred * rstd[:, None] * w[None, :] + b[None, :], mean, rstd
+
+
+@triton.jit
+def _input_grad(wg, xhat, rstd, dim):
+    """The gradient of a tile's rows x from wg, the weight times their output's gradient
+    (that of xhat = (x - mean) · rstd): rstd (wg - mean(wg) - xhat mean(wg xhat))."""
+    return (wg - tl.sum(wg, axis=1)[:, None] / dim - xhat * (tl.sum(wg * xhat, axis=1)[:, None] / dim)) * rstd[:, None]
+
+
+@triton.jit(do_not_specialize=["rows"])  # the row count changes with every batch
+def _forward_kernel(
+    x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, rows, dim, eps,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    r, live, at, m, y, mean, rstd = _normalized_rows(x_ptr, weight_ptr, bias_ptr, rows, dim, eps, BLOCK_R, BLOCK_D)
     tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(mean_ptr + r, mean, mask=live)
     tl.store(rstd_ptr + r, rstd, mask=live)
@@ -70,10 +85,7 @@ def _backward_kernel(
         mean = tl.load(mean_ptr + r, mask=live, other=0)
         rstd = tl.load(rstd_ptr + r, mask=live, other=0)
         xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
-        wg = g * w[None, :]
-        # d xhat = w g; dx = rstd (d xhat - mean(d xhat) - xhat mean(d xhat xhat))
-        dx = (wg - tl.sum(wg, axis=1)[:, None] / dim - xhat * (tl.sum(wg * xhat, axis=1)[:, None] / dim)) * rstd[:, None]
-        tl.store(dx_ptr + at, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        tl.store(dx_ptr + at, _input_grad(g * w[None, :], xhat, rstd, dim).to(dx_ptr.dtype.element_ty), mask=m)
         dw += tl.sum(g * xhat, axis=0)
         db += tl.sum(g, axis=0)
     tl.store(dw_ptr + program * dim + c, dw, mask=c < dim)
@@ -88,6 +100,14 @@ def _blocks(dim: int) -> tuple[int, int]:
     """(rows a program holds, the width padded to a power of two)."""
     block_d = triton.next_power_of_2(max(dim, 1))
     return max(1, ROW_TILE // block_d), block_d
+
+
+def backward_partials(rows: int, dim: int, block_r: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """(the backward's programs, at most MAX_PARTIALS, each over blocks of block_r rows;
+    (2, programs, dim) float32 for the weight's and bias's partial sums, one row a program,
+    zeros where there are no rows to write them)."""
+    programs = max(1, min(triton.cdiv(rows, block_r), MAX_PARTIALS))
+    return programs, (torch.empty if rows else torch.zeros)((2, programs, dim), dtype=torch.float32, device=device)
 
 
 def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
@@ -109,9 +129,7 @@ def layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     rows, dim = x.shape
     dx = torch.empty_like(x)
     block_r, block_d = _blocks(dim)
-    programs = max(1, min(triton.cdiv(rows, block_r), MAX_PARTIALS))
-    # the weight's and bias's partial sums: every program writes its row (no rows: zeros)
-    partial = (torch.empty if rows else torch.zeros)((2, programs, dim), dtype=torch.float32, device=x.device)
+    programs, partial = backward_partials(rows, dim, block_r, x.device)
     if rows and dim:
         _backward(lambda meta: (programs,), (grad.contiguous(), x, weight, mean, rstd, dx, partial[0], partial[1], rows, dim),
                   dict(BLOCK_R=block_r, BLOCK_D=block_d))

@@ -1,0 +1,60 @@
+"""Dropout(LayerNorm(x) ⊙ u) over the last dimension, HSTU's block output before its
+projection: the Triton kernels on CUDA, the pure-PyTorch twin elsewhere (backend "triton"
+or "reference" picks one; "auto" by device). Differentiable in x, u and the norm's weight
+and bias on both paths.
+
+Each call draws a seed from torch's generator on x's device (a device tensor: a CUDA
+graph's replays draw their own), from which both paths make the same mask
+(reference.py); the Triton backward makes it again instead of keeping it.
+"""
+import torch
+
+from ..backend import use_triton
+from . import reference, triton_kernels
+
+SEED_BOUND = 1 << 62  # seeds are drawn uniformly below this
+
+
+def new_seed(device: torch.device) -> torch.Tensor:
+    """A one-element int64 seed drawn from torch's generator on device."""
+    return torch.randint(SEED_BOUND, (1,), dtype=torch.int64, device=device)
+
+
+class _NormMulDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, u, weight, bias, eps, p):
+        shape = x.shape
+        x, u = x.reshape(-1, shape[-1]).contiguous(), u.reshape(-1, shape[-1]).contiguous()
+        seed = new_seed(x.device)
+        out, mean, rstd = triton_kernels.norm_mul_dropout_forward(x, u, weight.contiguous(), bias.contiguous(), eps, p, seed)
+        ctx.save_for_backward(x, u, weight, bias, mean, rstd, seed)
+        ctx.shape, ctx.p = shape, p
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, u, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        dx, du, dw, db = triton_kernels.norm_mul_dropout_backward(
+            grad.reshape(x.shape), x, u, weight.contiguous(), bias.contiguous(), mean, rstd, ctx.p, seed,
+        )
+        return dx.view(ctx.shape), du.view(ctx.shape), dw.to(weight.dtype), db.to(bias.dtype), None, None
+
+
+def norm_mul_dropout(
+    x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5, p: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Dropout(LayerNorm(x) · u, p) for x and u of one shape (..., D): x normalized over
+    its last dimension, scaled by weight (D,) and shifted by bias (D,), times u, then each
+    element zeroed with probability p and the rest scaled by 1 / (1 - p) (p = 0: no
+    dropout, as in evaluation). The result takes x's and u's promoted dtype."""
+    triton = use_triton(backend, x.device, "norm_mul_dropout")
+    if u.shape != x.shape or weight.shape != (x.shape[-1],) or bias.shape != weight.shape:
+        raise ValueError(f"u must have x's shape {tuple(x.shape)} and weight and bias ({x.shape[-1]},): got "
+                         f"{tuple(u.shape)}, {tuple(weight.shape)} and {tuple(bias.shape)}")
+    reference.keep_threshold(p)  # (checks p)
+    if triton:
+        return _NormMulDropout.apply(x, u, weight, bias, eps, p)
+    seed = int(new_seed(x.device)) if p > 0 else 0
+    shape = x.shape
+    return reference.norm_mul_dropout(x.reshape(-1, shape[-1]), u.reshape(-1, shape[-1]), weight, bias, eps, p, seed).view(shape)
