@@ -25,7 +25,7 @@ class _NormMulDropout(torch.autograd.Function):
     def forward(ctx, x, u, weight, bias, eps, p):
         shape = x.shape
         x, u = x.reshape(-1, shape[-1]).contiguous(), u.reshape(-1, shape[-1]).contiguous()
-        seed = new_seed(x.device)
+        seed = new_seed(x.device) if p > 0 else x.new_empty(1, dtype=torch.int64)  # (unread without dropout)
         out, mean, rstd = triton_kernels.norm_mul_dropout_forward(x, u, weight.contiguous(), bias.contiguous(), eps, p, seed)
         ctx.save_for_backward(x, u, weight, bias, mean, rstd, seed)
         ctx.shape, ctx.p = shape, p
