@@ -13,6 +13,8 @@ import weakref
 
 import torch
 
+from ..backend import device_memory
+
 KEPT_MEMORY_SHARE = 8
 CPU_BUDGET_BYTES = 1 << 30  # on a CPU (the interpreter's runs): a fixed budget
 
@@ -24,7 +26,7 @@ def budget(device: torch.device) -> int:
     """Bytes of kept buffers a device may hold at once."""
     if device.type != "cuda":
         return CPU_BUDGET_BYTES
-    return torch.cuda.get_device_properties(device).total_memory // KEPT_MEMORY_SHARE
+    return device_memory(device) // KEPT_MEMORY_SHARE
 
 
 def held(device: torch.device) -> int:

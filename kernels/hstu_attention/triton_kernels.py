@@ -28,6 +28,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..backend import device_memory as _device_memory  # (tests replace it here)
 from ..launch import cdiv, next_power_of_2
 from . import score_grads
 from .attention_kernels import LARGEST_BLOCK, _backward_kv, _backward_q, _forward
@@ -344,12 +345,6 @@ def _score_grads_buffer(ds: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     padded = ds.new_empty(b, h, max_seq_len, row)
     padded[..., :max_seq_len] = ds
     return padded
-
-
-@functools.cache
-def _device_memory(device: torch.device) -> int:
-    """The GPU's memory in bytes."""
-    return torch.cuda.get_device_properties(device).total_memory
 
 
 def _some_sequences(first: int, last: int, offsets: torch.Tensor, num_targets: torch.Tensor | None, tables: tuple):

@@ -51,6 +51,18 @@ def _normalized_rows(x_ptr, weight_ptr, bias_ptr, rows, dim, eps, BLOCK_R: tl.co
 
 
 @triton.jit
+def _renormalized_rows(x_ptr, mean_ptr, rstd_ptr, first, rows, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows first .. first + BLOCK_R - 1 of x normalized again from their saved statistics,
+    for a backward: (the rows, the element offsets and mask (_tile), (x - mean) · rstd in
+    float32 (0 outside the tile), each row's rstd)."""
+    r, live, c, in_row, at, m = _tile(first, rows, dim, BLOCK_R, BLOCK_D)
+    x = tl.load(x_ptr + at, mask=m, other=0).to(tl.float32)
+    mean = tl.load(mean_ptr + r, mask=live, other=0)
+    rstd = tl.load(rstd_ptr + r, mask=live, other=0)
+    return r, at, m, tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0), rstd
+
+
+@triton.jit
 def _input_grad(wg, xhat, rstd, dim):
     """The gradient of a tile's rows x from wg, the weight times their output's gradient
     (that of xhat = (x - mean) · rstd): rstd (wg - mean(wg) - xhat mean(wg xhat))."""
@@ -79,12 +91,8 @@ def _backward_kernel(
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     db = tl.zeros([BLOCK_D], dtype=tl.float32)
     for first in range(program * BLOCK_R, rows, programs * BLOCK_R):
-        r, live, c, in_row, at, m = _tile(first, rows, dim, BLOCK_R, BLOCK_D)
-        x = tl.load(x_ptr + at, mask=m, other=0).to(tl.float32)
+        _, at, m, xhat, rstd = _renormalized_rows(x_ptr, mean_ptr, rstd_ptr, first, rows, dim, BLOCK_R, BLOCK_D)
         g = tl.load(grad_ptr + at, mask=m, other=0).to(tl.float32)
-        mean = tl.load(mean_ptr + r, mask=live, other=0)
-        rstd = tl.load(rstd_ptr + r, mask=live, other=0)
-        xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
         tl.store(dx_ptr + at, _input_grad(g * w[None, :], xhat, rstd, dim).to(dx_ptr.dtype.element_ty), mask=m)
         dw += tl.sum(g * xhat, axis=0)
         db += tl.sum(g, axis=0)

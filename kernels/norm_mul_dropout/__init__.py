@@ -52,7 +52,7 @@ def norm_mul_dropout(
     if u.shape != x.shape or weight.shape != (x.shape[-1],) or bias.shape != weight.shape:
         raise ValueError(f"u must have x's shape {tuple(x.shape)} and weight and bias ({x.shape[-1]},): got "
                          f"{tuple(u.shape)}, {tuple(weight.shape)} and {tuple(bias.shape)}")
-    reference.keep_threshold(p)  # (checks p)
+    reference.check_probability(p)
     if triton:
         return _NormMulDropout.apply(x, u, weight, bias, eps, p)
     seed = int(new_seed(x.device)) if p > 0 else 0

@@ -25,10 +25,14 @@ ROUNDS = 10
 WORDS = 4  # words per counter: the mask's columns per counter
 
 
-def keep_threshold(p: float) -> int:
-    """The least word that keeps an element: a share p of the 2^32 words drop it."""
+def check_probability(p: float) -> None:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+
+
+def keep_threshold(p: float) -> int:
+    """The least word that keeps an element: a share p of the 2^32 words drop it."""
+    check_probability(p)
     return round(p * WORD)
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..autotune import TunedLaunches, autotuned
-from ..layer_norm.triton_kernels import ROW_TILE, _input_grad, _normalized_rows, _tile, backward_partials
+from ..layer_norm.triton_kernels import ROW_TILE, _input_grad, _normalized_rows, _renormalized_rows, backward_partials
 from .reference import WORDS, keep_scale, keep_threshold
 
 CONFIGS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]  # (2 warps spill at these tiles)
@@ -35,13 +35,6 @@ def _kept(seed_ptr, r, dim, threshold, BLOCK_R: tl.constexpr, BLOCK_D: tl.conste
     # order, words 0, 1, 2, 3 of each counter
     words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_R, BLOCK_D))
     return words.to(tl.int64) >= threshold
-
-
-@triton.jit
-def _normalized(x_ptr, at, m, mean, rstd):
-    """(x - mean) · rstd of a tile, in float32, 0 outside it."""
-    x = tl.load(x_ptr + at, mask=m, other=0).to(tl.float32)
-    return tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
 
 
 @triton.jit(do_not_specialize=["rows", "threshold"])  # the row count changes with every batch
@@ -70,12 +63,10 @@ def _backward_kernel(
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     db = tl.zeros([BLOCK_D], dtype=tl.float32)
     for first in range(program * BLOCK_R, rows, programs * BLOCK_R):
-        r, live, c, in_row, at, m = _tile(first, rows, dim, BLOCK_R, BLOCK_D)
+        r, at, m, xhat, rstd = _renormalized_rows(x_ptr, mean_ptr, rstd_ptr, first, rows, dim, BLOCK_R, BLOCK_D)
         g = tl.load(grad_ptr + at, mask=m, other=0).to(tl.float32)
         if DROPOUT:
             g = tl.where(_kept(seed_ptr, r, dim, threshold, BLOCK_R, BLOCK_D), g * scale, 0.0)
-        rstd = tl.load(rstd_ptr + r, mask=live, other=0)
-        xhat = _normalized(x_ptr, at, m, tl.load(mean_ptr + r, mask=live, other=0), rstd)
         u = tl.load(u_ptr + at, mask=m, other=0).to(tl.float32)
         tl.store(du_ptr + at, (g * (xhat * w[None, :] + b[None, :])).to(du_ptr.dtype.element_ty), mask=m)
         gy = g * u  # the gradient at the layer norm's output
