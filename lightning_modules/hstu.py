@@ -74,10 +74,12 @@ def block_input(
     x: torch.Tensor, norm: nn.LayerNorm, uvqk_weight: torch.Tensor, heads: int, dqk: int, dv: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A block's projections of x (total, D): U (total, heads · dv), then V (total, heads,
-    dv), Q and K (total, heads, dqk), each contiguous as the attention kernels read them."""
+    dv), Q and K (total, heads, dqk), each contiguous as the attention kernels and
+    kernels.norm_mul_dropout read them (compiled, each is written by its own fused kernel, and
+    SiLU's whole output is never stored)."""
     total = x.shape[0]
     u, v, q, k = F.silu(F.linear(norm(x), uvqk_weight)).split([heads * dv, heads * dv, heads * dqk, heads * dqk], dim=-1)
-    return u, v.reshape(total, heads, dv).contiguous(), q.reshape(total, heads, dqk).contiguous(), k.reshape(total, heads, dqk).contiguous()
+    return u.contiguous(), v.reshape(total, heads, dv).contiguous(), q.reshape(total, heads, dqk).contiguous(), k.reshape(total, heads, dqk).contiguous()
 
 
 def unit_rows(x: torch.Tensor) -> torch.Tensor:

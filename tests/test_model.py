@@ -357,18 +357,20 @@ def test_the_norm_mul_dropout_kernel_computes_the_blocks_outputs(monkeypatch):
     """norm_mul_dropout_kernel: where the attention runs its Triton kernels, each block's
     Dropout(LayerNorm(A V) ⊙ U) is kernels.norm_mul_dropout. Without dropout (eval) the
     outputs and gradients are torch's ops'; in training they are the twin's under the same
-    seeds (the same masks), and differ from evaluation's."""
+    seeds (the same masks), and differ from evaluation's. Its inputs come contiguous (U
+    from block_input), so it copies neither."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     plain = HSTU(SMALL.override(norm_mul_dropout_kernel=False), attention_backend="triton").to(device)
     fused = HSTU(SMALL.override(norm_mul_dropout_kernel=True), attention_backend="triton").to(device)
     fused.load_state_dict(plain.state_dict())
     x, ts, offsets = (t.to(device) for t in sequence_batch([5, 3, 0, 7], SMALL.embedding_dim, seed=0))
-    kernel, backends = hstu.norm_mul_dropout, []
+    kernel, backends, contiguous = hstu.norm_mul_dropout, [], []
 
     def on(backend):
         def call(*args):
             backends.append(args[-1])
+            contiguous.append(args[0].is_contiguous() and args[1].is_contiguous())
             return kernel(*args[:-1], backend)
         return call
 
@@ -382,6 +384,7 @@ def test_the_norm_mul_dropout_kernel_computes_the_blocks_outputs(monkeypatch):
     monkeypatch.setattr(hstu, "norm_mul_dropout", on("triton"))
     evaluated = [step(model.eval(), 0) for model in (fused, plain)]
     assert backends == ["triton"] * SMALL.num_blocks  # (the fused model's blocks only)
+    assert all(contiguous)
     for got, want in zip(*evaluated):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     trained = []

@@ -84,7 +84,7 @@ def test_the_twin_is_the_formula_and_its_gradients_pass_gradcheck():
     x, u, weight, bias, _ = inputs(6, 7, torch.float64)
     plain = F.layer_norm(x, (7,), weight.double(), bias.double(), 1e-5) * u
     torch.testing.assert_close(reference.norm_mul_dropout(x, u, weight.double(), bias.double(), 1e-5, 0.0, 0), plain)
-    mask = reference.kept(99, 6, 7, 0.5)
+    mask = reference.kept(99, 6, 7, 0.5, x.device)
     torch.testing.assert_close(reference.norm_mul_dropout(x, u, weight.double(), bias.double(), 1e-5, 0.5, 99), plain * mask * 2)
     leaves = [t.detach().double().cpu().requires_grad_(True) for t in (x, u, weight, bias)]
     assert torch.autograd.gradcheck(lambda *a: reference.norm_mul_dropout(*a, 1e-5, 0.5, 99), leaves)
