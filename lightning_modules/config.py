@@ -62,9 +62,9 @@ class HSTUConfig:
     # where the attention runs its Triton kernels, each block's Dropout(LayerNorm(A V) ⊙ U)
     # through kernels.norm_mul_dropout: one pass each way, the dropout's mask made again in
     # the backward from a seed instead of kept (elsewhere torch's ops and nn.Dropout, whose
-    # masks differ). The same weights and state keys either way. Off until a GPU has run
-    # and timed it (tested under Triton's interpreter only; benchmarks/norm_mul_dropout.py)
-    norm_mul_dropout_kernel: bool = False
+    # masks differ). The same weights and state keys either way; timings in
+    # benchmarks/train_throughput.md and benchmarks/norm_mul_dropout.py
+    norm_mul_dropout_kernel: bool = True
     # under DDP over NCCL, the whole dense step in one CUDA graph per bucket as with one
     # process, the gradients' all-reduce captured in it (step_graph.py); off: the model's
     # graphs with DDP's hooks and all-reduce between them (benchmarks/scaling.md compares)
@@ -99,7 +99,7 @@ class HSTUConfig:
         d.setdefault("balanced_batches", True)
         d.setdefault("compile_blocks", False)
         d.setdefault("layer_norm_kernel", False)  # (what those configs computed with)
-        d.setdefault("norm_mul_dropout_kernel", False)
+        d.setdefault("norm_mul_dropout_kernel", False)  # (nn.Dropout's masks, as those configs trained)
         return HSTUConfig(**d)
 
     def override(self, **changes) -> "HSTUConfig":
