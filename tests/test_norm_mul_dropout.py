@@ -65,6 +65,34 @@ def test_the_mask_depends_on_the_seed_and_drops_a_share_p():
         assert abs(dropped.float().mean().item() - 0.3) < 0.01  # (131,072 elements: a sd of 0.0013)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_each_replay_of_a_cuda_graph_draws_its_own_mask():
+    """The seed is drawn on the device inside the captured work, so each replay of a graph
+    of the forward and backward drops other elements, a share p of them, and its backward
+    drops the same ones as its forward."""
+    x, u, weight, bias, upstream = inputs(256, 512, torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, u)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (autotuning and compiles before the capture)
+        for _ in range(2):
+            nmd.norm_mul_dropout(*leaves, weight, bias, p=0.3, backend="triton").backward(upstream)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nmd.norm_mul_dropout(*leaves, weight, bias, p=0.3, backend="triton")
+        out.backward(upstream)
+    dropped = []
+    for _ in range(2):
+        graph.replay()
+        dropped.append(out == 0)
+        assert torch.equal(dropped[-1], leaves[1].grad == 0)
+        assert abs(dropped[-1].float().mean().item() - 0.3) < 0.01
+    assert not torch.equal(dropped[0], dropped[1])
+
+
 def test_the_twins_mask_is_philox_words_against_the_threshold():
     """reference.kept: element (r, c) compares word c % 4 of the counter r · ⌈D / 4⌉ + c // 4
     with the threshold; known words of Philox-4x32-10 (the counter 0 and key 0 of the
