@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gc_pauses import GcPauses  # noqa: E402
 from benchmarks.host_sections import HostSections  # noqa: E402
+from benchmarks import trace_summary  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
 from kernels.hstu_attention import triton_kernels  # noqa: E402
 from lightning_modules.callbacks import FrozenSetup  # noqa: E402
@@ -190,9 +191,11 @@ def run(
             finally:
                 if sections is not None:
                     sections.restore()
+    gpu_profile = None
     if profiler is not None:
         Path(profile).mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(Path(profile) / f"{preset_name}.json"))
+        trace = Path(profile) / f"{preset_name}.json"
+        profiler.export_chrome_trace(str(trace))
         sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
         events = profiler.key_averages()
         print(f"\n{preset_name}: the timed steps by {sort}\n" + events.table(sort_by=sort, row_limit=30))
@@ -200,6 +203,10 @@ def run(
         print(f"{preset_name}: the timed steps' operations by count\n" + events.table(sort_by="count", row_limit=60))
         launches = {e.key: e.count for e in events if e.key in LAUNCH_CALLS}
         print(f"{preset_name}: launches per timed step: {sum(launches.values()) / timer.steps:.1f} {launches}")
+        if device == "cuda":
+            gpu_profile = trace_summary.summarize(trace_summary.load_events(trace), timer.steps)
+            print(f"\n{preset_name}: the GPU in the timed steps (trace_summary.py)")
+            trace_summary.print_summary(gpu_profile)
     if host_profiler is not None:
         text = io.StringIO()
         stats = pstats.Stats(host_profiler, stream=text)
@@ -233,6 +240,7 @@ def run(
         **({"syncs_per_step": sum(sites.values()) / timer.steps, "sync_sites": dict(sites.most_common()),
             "compiled_in_timed_steps": timer.compiled} if timer.count_syncs else {}),
         **({"host_sections_ms": sections.per_step(timer.steps)} if sections is not None else {}),
+        **({"gpu_profile": gpu_profile} if gpu_profile is not None else {}),
     }
 
 
@@ -256,7 +264,7 @@ def main() -> None:
     p.add_argument("--count-syncs", action="store_true", help="CUDA: count the timed steps' waits for the device by call site, and list Triton compilations in them (slows the steps)")
     p.add_argument("--whole-item-table", type=int, metavar="ROWS",
                    help="the item table allocated whole at this many rows (capacity = max_capacity: it never grows, so no lookup checks whether it must)")
-    p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops and launches per step, write Chrome traces to DIR")
+    p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops and launches per step, write Chrome traces to DIR; on CUDA, each kernel's time, the GPU's busy and idle time per step and its longest idle gaps (trace_summary.py), also in the JSON")
     p.add_argument("--host-profile", action="store_true", help="cProfile the timed steps' main thread (the host's Python) and print its top functions")
     p.add_argument("--host-sections", action="store_true", help="the timed steps' host time by section of the step (host_sections.py)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")

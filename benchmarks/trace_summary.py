@@ -1,0 +1,116 @@
+"""What a profiled run's GPU did, from torch.profiler's Chrome trace: the time of each kernel
+per step, how long the GPU was busy, and where it sat idle.
+
+    python benchmarks/trace_summary.py TRACE.json --steps N [--top 30] [--out FILE]
+
+`train_throughput.py --profile DIR` writes such traces (DIR/<preset>.json, the timed steps
+only) and adds this summary to its JSON row.
+
+- kernels: each kernel name's total duration and launch count, divided by the steps;
+- busy: the union of the kernels' intervals (kernels overlapping on several streams count
+  once), per step; kernel time: their durations summed, per step;
+- idle: the gaps between the busy intervals from the first kernel's start to the last's end,
+  per step, and the longest gaps, each with the kernels on either side and the CUDA runtime
+  or driver call that overlapped it most (a wait such as cudaStreamSynchronize or a
+  device-to-host copy names what held the host while the GPU drained; none, or a launch,
+  says the host was busy with its own work).
+"""
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+KERNEL = "kernel"
+HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the trace's categories of CUDA API calls
+MIN_GAP_US = 5.0  # shorter gaps are the launch-to-launch spacing of a queued stream
+
+
+def _intervals(events: list[dict], category: str | tuple) -> list[tuple[float, float, str]]:
+    cats = (category,) if isinstance(category, str) else category
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") in cats)
+
+
+def busy_spans(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """The union of kernel intervals (start-sorted): (start, end, first kernel, last kernel)."""
+    spans = []
+    for start, end, name in kernels:
+        if spans and start <= spans[-1][1]:
+            s, e, first, last = spans[-1]
+            spans[-1] = (s, max(e, end), first, name if end >= e else last)
+        else:
+            spans.append((start, end, name, name))
+    return spans
+
+
+def summarize(events: list[dict], steps: int, top: int = 30, min_gap_us: float = MIN_GAP_US) -> dict:
+    """The summary of a trace's events over `steps` steps (times in ms per step)."""
+    kernels = _intervals(events, KERNEL)
+    if not kernels:
+        raise ValueError("the trace has no GPU kernels (a CPU run, or a profile without CUDA activity)")
+    total, count = Counter(), Counter()
+    for start, end, name in kernels:
+        total[name] += end - start
+        count[name] += 1
+    spans = busy_spans(kernels)
+    calls = _intervals(events, HOST_CALLS)
+    gaps = []
+    for (_, gap_start, _, before), (gap_end, _, after, _) in zip(spans, spans[1:]):
+        if gap_end - gap_start < min_gap_us:
+            continue
+        overlap = {}
+        for s, e, name in calls:
+            if s >= gap_end:
+                break
+            shared = min(e, gap_end) - max(s, gap_start)
+            if shared > overlap.get(name, 0):
+                overlap[name] = shared
+        host = max(overlap, key=overlap.get) if overlap else None
+        gaps.append({"us": gap_end - gap_start, "after_kernel": before, "before_kernel": after, "host_call": host,
+                     "host_call_overlap_us": overlap.get(host, 0.0)})
+    per_step = 1000.0 * steps
+    return {
+        "steps": steps,
+        "kernels_per_step": len(kernels) / steps,
+        "busy_ms_per_step": sum(e - s for s, e, _, _ in spans) / per_step,
+        "kernel_ms_per_step": sum(total.values()) / per_step,
+        "window_ms_per_step": (spans[-1][1] - spans[0][0]) / per_step,
+        "idle_ms_per_step": sum(g["us"] for g in gaps) / per_step,
+        "kernels": [{"kernel": name, "ms_per_step": t / per_step, "launches_per_step": count[name] / steps}
+                    for name, t in total.most_common(top)],
+        "longest_gaps": sorted(gaps, key=lambda g: -g["us"])[:top],
+    }
+
+
+def load_events(path: str | Path) -> list[dict]:
+    return json.loads(Path(path).read_text())["traceEvents"]
+
+
+def print_summary(s: dict, width: int = 110) -> None:
+    print(f"{s['kernels_per_step']:.0f} kernels a step; GPU busy {s['busy_ms_per_step']:.2f} ms of a "
+          f"{s['window_ms_per_step']:.2f} ms window a step (kernel time {s['kernel_ms_per_step']:.2f}), "
+          f"idle {s['idle_ms_per_step']:.2f} ms in gaps of {MIN_GAP_US:g} µs or more")
+    print(f"\n{'ms/step':>9}{'launches':>10}  kernel")
+    for k in s["kernels"]:
+        print(f"{k['ms_per_step']:>9.3f}{k['launches_per_step']:>10.1f}  {k['kernel'][:width]}")
+    print(f"\n{'gap µs':>9}  {'host call (µs of it)':<34}  between kernels")
+    for g in s["longest_gaps"]:
+        host = f"{g['host_call']} ({g['host_call_overlap_us']:.0f})" if g["host_call"] else "-"
+        print(f"{g['us']:>9.1f}  {host[:34]:<34}  {g['after_kernel'][:40]} → {g['before_kernel'][:40]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, required=True, help="the steps the trace covers")
+    p.add_argument("--top", type=int, default=30, help="kernels and gaps listed")
+    p.add_argument("--out", help="write the summary as JSON here")
+    args = p.parse_args(argv)
+    s = summarize(load_events(args.trace), args.steps, args.top)
+    print_summary(s)
+    if args.out:
+        Path(args.out).write_text(json.dumps(s, indent=2))
+    return s
+
+
+if __name__ == "__main__":
+    main()
