@@ -22,6 +22,22 @@ USER_ID = 1000  # the image's non-root user (Dockerfile)
 # torch's caches live under it)
 SCRATCH = "/tmp"
 RDZV_BACKEND = "c10d"  # elastic jobs' rendezvous
+# Where a job has a volume shared by its pods, torch.compile's and Triton's caches and
+# Triton's autotuning choices live on it, in this folder under the mount: each process of
+# each later job loads the kernels and choices the first one compiled and timed instead of
+# compiling and timing them again (on a fresh GPU machine, minutes a process; the caches
+# under HOME, on a pod's scratch volume, go with the pod)
+COMPILE_CACHE = ".cache"
+
+
+def compile_cache_env(root: str) -> dict[str, str]:
+    """The variables that put the compile caches under root/COMPILE_CACHE (Triton's cache
+    writes each entry to a temporary file renamed into place, so pods may share it)."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": f"{root}/{COMPILE_CACHE}/inductor",
+        "TRITON_CACHE_DIR": f"{root}/{COMPILE_CACHE}/triton",
+        "TRITON_CACHE_AUTOTUNING": "1",
+    }
 
 
 @dataclass
@@ -43,9 +59,17 @@ class JobSpec:
     shm_size: str = SHM_SIZE
     elastic: tuple[int, int] | None = None  # (min, max) pods: an elastic job between them
     max_restarts: int = 3  # elastic: restarts of the workers' group
+    compile_cache: bool = True  # with a pvc: the compile caches on it (COMPILE_CACHE)
 
     def procs_per_node(self) -> int:
         return self.nproc_per_node if self.nproc_per_node is not None else max(self.gpus, 1)
+
+    def environment(self) -> dict[str, str]:
+        """The training container's variables: HOME on the scratch volume, the compile
+        caches on the shared volume where there is one (compile_cache), then `env`, which
+        overrides either."""
+        cache = compile_cache_env(self.mount_path.rstrip("/")) if self.pvc and self.compile_cache else {}
+        return {"HOME": SCRATCH} | cache | self.env
 
     def resources(self) -> dict[str, str]:
         """One pod's requests (= limits)."""
@@ -72,7 +96,7 @@ def pod_spec(spec: JobSpec, container_name: str = CONTAINER) -> dict:
     """The pod template's spec: non-root, no privilege escalation, no capabilities, a
     read-only root filesystem with memory-backed /dev/shm, scratch and workspace volumes."""
     resources = spec.resources()
-    env = {"HOME": SCRATCH} | spec.env
+    env = spec.environment()
     container = {
         "name": container_name,
         "image": spec.image,

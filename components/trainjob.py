@@ -54,7 +54,7 @@ def render(spec: JobSpec, runtime: str = RUNTIME_NAME) -> dict:
     if spec.elastic is not None:
         raise ValueError("elastic jobs need the PyTorchJob API (Trainer v2 has no elastic policy)")
     resources = spec.resources()
-    env = {"HOME": "/tmp"} | spec.env
+    env = spec.environment()
     return {
         "apiVersion": API_VERSION,
         "kind": "TrainJob",

@@ -53,6 +53,9 @@ def _add_job(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=NON_NEGATIVE, default=3, help="with --elastic: restarts of the workers' group")
     p.add_argument("--pvc", default=None, help="shared volume claim mounted at --mount-path (else an emptyDir)")
     p.add_argument("--mount-path", default="/workspace")
+    p.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --pvc: torch.compile's and Triton's caches and Triton's autotuning choices on it, shared by "
+                        "every pod and later job (components.pytorchjob.COMPILE_CACHE)")
 
 
 def _elastic(text: str | None) -> tuple[int, int] | None:
@@ -277,7 +280,7 @@ def _manifest(args) -> None:
             args.train_args.split() + ["--no-progress-bar"], args.patience,
         ),
         nodes=args.nodes, nproc_per_node=args.nproc_per_node, cpu=args.cpu, memory=args.memory,
-        gpus=args.gpus, pvc=args.pvc, mount_path=args.mount_path, shm_size=args.shm_size,
+        gpus=args.gpus, pvc=args.pvc, mount_path=args.mount_path, shm_size=args.shm_size, compile_cache=args.compile_cache,
         elastic=_elastic(args.elastic), max_restarts=args.max_restarts,
     )
     crds = {c["spec"]["names"]["kind"]: c for c in (yaml.safe_load(Path(f).read_text()) for f in args.schema)}

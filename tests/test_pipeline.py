@@ -1,6 +1,7 @@
 """The pipeline end to end on the local runner, MLflow contents, export, and the cluster path:
 compiled IR, PyTorchJob rendering and validation, and the local PyTorchJob launcher."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -219,6 +220,38 @@ def test_jobs_of_8_gpu_nodes_run_8_processes_per_node_non_root_with_shared_memor
         assert container["securityContext"]["readOnlyRootFilesystem"] and not container["securityContext"]["allowPrivilegeEscalation"]
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert {v["name"]: v for v in pod["volumes"]}[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+
+
+@pytest.mark.parametrize("api", ["pytorchjob", "trainjob"])
+def test_jobs_on_a_shared_volume_keep_their_compile_caches_on_it(tmp_path, api):
+    """With --pvc, every pod's torch.compile and Triton caches and Triton's autotuning
+    choices are on the shared volume (what torch and Triton read from those variables,
+    checked in a process given them); without a volume, or with --no-compile-cache, they
+    stay under HOME; a variable the job's env gives overrides."""
+    def env_of(*extra):
+        out = tmp_path / "job.yaml"
+        hstu(["manifest", "--api", api, "--data-dir", "/d", "--out-dir", "/o", "--mount-path", "/shared/", *extra, "-o", str(out)])
+        doc = list(yaml.safe_load_all(out.read_text()))[-1]
+        if api == "pytorchjob":
+            containers = [r["template"]["spec"]["containers"][0] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
+        else:
+            containers = [doc["spec"]["trainer"]]
+        envs = [{e["name"]: e["value"] for e in c["env"]} for c in containers]
+        assert all(e == envs[0] for e in envs)
+        return envs[0]
+
+    shared = env_of("--pvc", "work")
+    assert {k: v for k, v in shared.items() if k != "HOME"} == {
+        "TORCHINDUCTOR_CACHE_DIR": "/shared/.cache/inductor", "TRITON_CACHE_DIR": "/shared/.cache/triton", "TRITON_CACHE_AUTOTUNING": "1",
+    }
+    assert env_of() == env_of("--pvc", "work", "--no-compile-cache") == {"HOME": "/tmp"}
+    read = ("import triton, torch._inductor.runtime.cache_dir_utils as c; "
+            "print(triton.knobs.cache.dir, triton.knobs.autotuning.cache, c.cache_dir())")
+    moved = {k: v.replace("/shared", str(tmp_path)) for k, v in shared.items()}
+    seen = subprocess.run([sys.executable, "-c", read], env={**os.environ, **moved}, capture_output=True, text=True, check=True)
+    assert seen.stdout.split() == [moved["TRITON_CACHE_DIR"], "True", moved["TORCHINDUCTOR_CACHE_DIR"]]
+    spec = pytorchjob.JobSpec(name="j", image="i", train_args=[], pvc="work", env={"TRITON_CACHE_DIR": "/elsewhere"})
+    assert spec.environment()["TRITON_CACHE_DIR"] == "/elsewhere"
 
 
 def test_invalid_manifests_are_refused(crd):
