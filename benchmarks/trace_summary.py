@@ -1,14 +1,15 @@
 """What a profiled run's GPU did, from torch.profiler's Chrome trace: the time of each kernel
-per step, how long the GPU was busy, and where it sat idle.
+(and copy and memset) per step, how long the GPU was busy, and where it sat idle.
 
     python benchmarks/trace_summary.py TRACE.json --steps N [--top 30] [--out FILE]
 
 `train_throughput.py --profile DIR` writes such traces (DIR/<preset>.json, the timed steps
 only) and adds this summary to its JSON row.
 
-- kernels: each kernel name's total duration and launch count, divided by the steps;
-- busy: the union of the kernels' intervals (kernels overlapping on several streams count
-  once), per step; kernel time: their durations summed, per step;
+- kernels: each kernel's, copy's or memset's name, total duration and count, divided by
+  the steps;
+- busy: the union of their intervals (work overlapping on several streams counts once),
+  per step; kernel time: their durations summed, per step;
 - idle: the gaps between the busy intervals from the first kernel's start to the last's end,
   per step, and the longest gaps, each with the kernels on either side and the CUDA runtime
   or driver call that overlapped it most (a wait such as cudaStreamSynchronize or a
@@ -20,7 +21,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-KERNEL = "kernel"
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's categories of GPU activity
 HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the trace's categories of CUDA API calls
 MIN_GAP_US = 5.0  # shorter gaps are the launch-to-launch spacing of a queued stream
 
@@ -44,9 +45,9 @@ def busy_spans(kernels: list[tuple[float, float, str]]) -> list[tuple[float, flo
 
 def summarize(events: list[dict], steps: int, top: int = 30, min_gap_us: float = MIN_GAP_US) -> dict:
     """The summary of a trace's events over `steps` steps (times in ms per step)."""
-    kernels = _intervals(events, KERNEL)
+    kernels = _intervals(events, DEVICE_WORK)
     if not kernels:
-        raise ValueError("the trace has no GPU kernels (a CPU run, or a profile without CUDA activity)")
+        raise ValueError("the trace has no GPU kernels or copies (a CPU run, or a profile without CUDA activity)")
     total, count = Counter(), Counter()
     for start, end, name in kernels:
         total[name] += end - start

@@ -1,6 +1,6 @@
 """benchmarks/trace_summary.py on a small Chrome trace written by hand: kernels per step,
-busy time as the union of kernels on two streams, and the idle gaps with the host call
-that held the host during each."""
+busy time as the union of kernels on two streams and a copy, and the idle gaps with the
+host call that held the host during each."""
 import json
 
 import pytest
@@ -19,8 +19,8 @@ EVENTS = [
     event("cudaLaunchKernel", 24, 3, cat="cuda_runtime", tid=1),
     event("cudaStreamSynchronize", 30, 68, cat="cuda_runtime", tid=1),
     event("a", 100, 10),
-    # step 2: a, a gap with no host call (the host's own work), b
-    event("a", 200, 10), event("b", 250, 20),
+    # step 2: a, a gap with no host call (the host's own work), a copy, b
+    event("a", 200, 10), event("Memcpy HtoD (Pinned -> Device)", 225, 5, cat="gpu_memcpy", tid=9), event("b", 250, 20),
     {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5},  # (not a complete event: ignored)
     event("aten::mm", 0, 300, cat="cpu_op", tid=1),  # (not a kernel: ignored)
 ]
@@ -28,21 +28,23 @@ EVENTS = [
 
 def test_kernels_busy_time_and_gaps_per_step():
     s = trace_summary.summarize(EVENTS, steps=2)
-    assert s["kernels_per_step"] == 3.0
+    assert s["kernels_per_step"] == 3.5
     assert {k["kernel"]: (k["ms_per_step"], k["launches_per_step"]) for k in s["kernels"]} == {
-        "a": (0.015, 1.5), "b": (0.014, 1.0), "c": (0.005, 0.5),
+        "a": (0.015, 1.5), "b": (0.014, 1.0), "c": (0.005, 0.5), "Memcpy HtoD (Pinned -> Device)": (0.0025, 0.5),
     }
     assert s["kernels"][0]["kernel"] == "a"  # by time, longest first
-    # busy: [0, 10] + [12, 25] + [100, 110] + [200, 210] + [250, 270] = 63 µs; kernel time 68
-    assert s["busy_ms_per_step"] == pytest.approx(0.0315) and s["kernel_ms_per_step"] == pytest.approx(0.034)
+    # busy: [0, 10] + [12, 25] + [100, 110] + [200, 210] + [225, 230] + [250, 270] = 68 µs; kernel time 73
+    assert s["busy_ms_per_step"] == pytest.approx(0.034) and s["kernel_ms_per_step"] == pytest.approx(0.0365)
     assert s["window_ms_per_step"] == pytest.approx(0.135)
-    # gaps of 5 µs or more: 75 (25-100), 90 (110-200), 40 (210-250); the 2 µs one is spacing
+    # gaps of 5 µs or more: 75 (25-100), 90 (110-200), 15 (210-225), 20 (230-250); the 2 µs
+    # one is spacing
+    copy = "Memcpy HtoD (Pinned -> Device)"
     assert [(g["us"], g["after_kernel"], g["before_kernel"]) for g in s["longest_gaps"]] == [
-        (90, "a", "a"), (75, "c", "a"), (40, "a", "b"),
+        (90, "a", "a"), (75, "c", "a"), (20, copy, "b"), (15, "a", copy),
     ]
-    assert s["idle_ms_per_step"] == pytest.approx(0.1025)
+    assert s["idle_ms_per_step"] == pytest.approx(0.1)
     held = {g["us"]: (g["host_call"], g["host_call_overlap_us"]) for g in s["longest_gaps"]}
-    assert held == {75: ("cudaStreamSynchronize", 68), 90: (None, 0.0), 40: (None, 0.0)}
+    assert held == {75: ("cudaStreamSynchronize", 68), 90: (None, 0.0), 20: (None, 0.0), 15: (None, 0.0)}
 
 
 def test_the_command_line_writes_the_summary_and_refuses_a_trace_without_kernels(tmp_path, capsys):
@@ -52,5 +54,5 @@ def test_the_command_line_writes_the_summary_and_refuses_a_trace_without_kernels
     written = json.loads(out.read_text())
     assert [k["kernel"] for k in written["kernels"]] == ["a", "b"] and len(written["longest_gaps"]) == 2
     assert "cudaStreamSynchronize (68)" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="no GPU kernels"):
-        trace_summary.summarize([e for e in EVENTS if e["cat"] != "kernel"], steps=1)
+    with pytest.raises(ValueError, match="no GPU kernels or copies"):
+        trace_summary.summarize([e for e in EVENTS if e["cat"] not in ("kernel", "gpu_memcpy")], steps=1)
