@@ -9,9 +9,11 @@ lookups and fused sparse updates included), bf16 autocast on CUDA as training ru
 Data: synthetic ML-1M-like sequences (seeded) for the paper presets; for presets longer
 than those (hstu-long) sequences of lengths uniform in [N/2, N] over a Zipf catalog. The
 first `--warmup` steps are not timed; on CUDA the timed window starts and ends with a
-synchronize and has none of its own between steps. On one CUDA device the model's forward
-and backward replay CUDA graphs (lightning_modules/cuda_graphs.py) unless
-`--cuda-graph-buckets 0`.
+synchronize and has none of its own between steps. Besides the window's mean, each row
+gives the spread of the steps' own times (`step_ms`: median, 90th percentile, the
+slowest and which it was), from a CUDA event recorded at each step's end. On one CUDA
+device the model's forward and backward replay CUDA graphs (lightning_modules/cuda_graphs.py)
+unless `--cuda-graph-buckets 0`.
 
 The Trainer has training's FrozenSetup (the setup's objects out of the garbage
 collector's way); each row gives the collector's pauses in the timed steps (gc_pauses.py).
@@ -84,7 +86,9 @@ class StepTimer(L.Callback):
     """Times the steps after `warmup` to the last one (max_steps): a synchronize where the
     window starts and where it ends, none between (a step need not wait for the last
     one's kernels, as in training). The timed batches' lengths stay on the device until
-    the end."""
+    the end. Each step's end is also marked (CUDA: an event on the stream, which the GPU
+    reaches when the step's work is done; CPU: the clock), so each step's own time is
+    known after the window (step_times_ms): a slow step within the window shows there."""
 
     def __init__(
         self, warmup: int, device: str, profiler=None, count_syncs: bool = False, host_profiler: cProfile.Profile | None = None,
@@ -100,6 +104,7 @@ class StepTimer(L.Callback):
         self.count_syncs = count_syncs and device == "cuda"
         self.compiled: list[str] = []
         self.gc = GcPauses()  # the collector's pauses in the timed steps
+        self.marks: list = []  # the window's start and each timed step's end (events on CUDA)
 
     def _on_compile(self, fn, **_) -> None:
         self.compiled.append(fn.name)
@@ -122,9 +127,11 @@ class StepTimer(L.Callback):
                 self.sections.start()
             self.gc.start()
             self.start = time.perf_counter()
+            self._mark()
         elif trainer.global_step > self.warmup:
             self.lengths.append(batch["input_offsets"].diff())  # no read back until the end
             self.steps += 1
+            self._mark()
             if trainer.global_step == trainer.max_steps:
                 self._sync()
                 self.elapsed = time.perf_counter() - self.start
@@ -139,9 +146,30 @@ class StepTimer(L.Callback):
                 if self.profiler is not None:
                     self.profiler.stop()
 
+    def _mark(self) -> None:
+        if self.device == "cuda":
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def step_times_ms(self) -> list[float]:
+        """Each timed step's time, from the mark before it to its own (after the window)."""
+        if self.device == "cuda":
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [1000 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
+
     def input_lengths(self) -> list[np.ndarray]:
         """Each timed step's input lengths (what the model read per sequence)."""
         return [x.cpu().numpy() for x in self.lengths]
+
+
+def step_spread(times_ms: list[float]) -> dict:
+    """The timed steps' own times: median, 90th percentile, the slowest and its index in the
+    window (0: the first timed step)."""
+    t = np.asarray(times_ms)
+    return {"median": float(np.median(t)), "p90": float(np.percentile(t, 90)), "max": float(t.max()),
+            "slowest_step": int(t.argmax())}
 
 
 def sync_sites(caught: list) -> Counter:
@@ -234,7 +262,8 @@ def run(
         "timed_steps": timer.steps, "seconds": timer.elapsed,
         "samples_per_s": sum(len(x) for x in lengths) / timer.elapsed,
         "positions_per_s": sum(int(x.sum()) for x in lengths) / timer.elapsed,
-        "ms_per_step": 1000 * timer.elapsed / timer.steps, "TFLOPs": tflops, "MFU": tflops / peak if peak else None,
+        "ms_per_step": 1000 * timer.elapsed / timer.steps, "step_ms": step_spread(timer.step_times_ms()),
+        "TFLOPs": tflops, "MFU": tflops / peak if peak else None,
         "embedding_rows": module.items.item_table.stats().size, "torch": torch.__version__, "gc_pauses": pauses,
         "peak_memory_GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         **({"syncs_per_step": sum(sites.values()) / timer.steps, "sync_sites": dict(sites.most_common()),
@@ -281,6 +310,10 @@ def main() -> None:
         mfu = f"{100 * r['MFU']:6.1f}%" if r["MFU"] is not None else f"{'-':>7}"
         print(f"{r['device_name'][:27]:<28}{r['preset']:<12}{r['batch_size']:>6}{r['samples_per_s']:>12.1f}"
               f"{r['positions_per_s']:>14.0f}{r['ms_per_step']:>10.1f}{r['TFLOPs']:>9.2f}{mfu}")
+    for r in rows:
+        spread = r["step_ms"]
+        print(f"{r['preset']}: each step's own time: median {spread['median']:.2f} ms, 90th percentile {spread['p90']:.2f}, "
+              f"slowest {spread['max']:.2f} (timed step {spread['slowest_step']} of {r['timed_steps']})")
     for r in rows:
         if "syncs_per_step" in r:
             print(f"\n{r['preset']}: {r['syncs_per_step']:.1f} waits for the device per step; by site: {r['sync_sites']}; "
