@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.graph_replay import replayed  # noqa: E402
-from benchmarks.layer_norm import print_table  # noqa: E402
+from benchmarks.layer_norm import print_table, timed  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
 
 from kernels.norm_mul_dropout import norm_mul_dropout  # noqa: E402
@@ -61,9 +60,9 @@ def rows_for(name: str, rows: int, dim: int) -> list[dict]:
         def forward_backward():
             return torch.autograd.grad(fn(*leaves, DROPOUT), leaves, upstream)
 
-        forward = do_bench(lambda: fn(x, u, weight, bias, DROPOUT), warmup=25, rep=200, return_mode="median")
-        both = do_bench(forward_backward, warmup=25, rep=200, return_mode="median")
-        graphed = do_bench(replayed(forward_backward), warmup=25, rep=200, return_mode="median")
+        forward = timed(lambda: fn(x, u, weight, bias, DROPOUT))
+        both = timed(forward_backward)
+        graphed = timed(replayed(forward_backward))
         written = upstream.element_size()
         out.append({"shape": name, "rows": rows, "dim": dim, "impl": impl, "forward_ms": forward,
                     "forward_GBps": x.numel() * (2 * x.element_size() + written) / forward / 1e6,

@@ -26,9 +26,9 @@ HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the trace's categories of CUDA A
 MIN_GAP_US = 5.0  # shorter gaps are the launch-to-launch spacing of a queued stream
 
 
-def _intervals(events: list[dict], category: str | tuple) -> list[tuple[float, float, str]]:
-    cats = (category,) if isinstance(category, str) else category
-    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") in cats)
+def _intervals(events: list[dict], categories: tuple) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the complete events of those categories, by start."""
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") in categories)
 
 
 def busy_spans(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
