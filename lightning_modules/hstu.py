@@ -17,15 +17,18 @@ dense weights. Where the attention runs its Triton kernels, the last line's
 Dropout(LayerNorm(A V) ⊙ U) is kernels.norm_mul_dropout, one kernel each way with its own
 dropout mask made from a seed (HSTUConfig.norm_mul_dropout_kernel).
 
-A block's work around the attention is two functions of tensors, block_input and
-block_output (with kernels.norm_mul_dropout, its projection and residual alone:
-projected_residual). With HSTUConfig.compile_blocks they run through torch.compile (one compiled
-function for every block, the row count symbolic; compiled.py): each layer norm, the casts
-autocast makes around it, SiLU, the split into contiguous Q, K, V, the product with U and
-the dropout become a few fused kernels instead of a pass over memory each. So do the
-model's input (model_input: the scaled item rows, the position embedding, dropout) and its
-output's normalization (unit_rows), whose eager form is a norm, a broadcast division and
-their backward, each a pass of torch's slower broadcasting kernels.
+The work between two attentions is one function of tensors: one block's projection and
+residual, then the next block's layer norm, projection, SiLU and split (next_block_input);
+the model's ends are first_block_input (the scaled item rows, the position embedding,
+dropout, then the first block's input) and last_block_output (the last residual, then the
+L2 normalization). Without kernels.norm_mul_dropout, Dropout(LayerNorm(A V) ⊙ U) is
+gated_norm, torch's ops. With HSTUConfig.compile_blocks each of them runs through
+torch.compile (one compiled function for every block, the row count symbolic;
+compiled.py): the norms, the casts autocast makes around them, SiLU, the split into
+contiguous U, V, Q, K and the residual's sum become a few fused kernels instead of a pass
+over memory each, and since a block's output x' and the next block's input are made in one
+function, the two gradients of x' (the residual's and the layer norm's) are summed inside
+its backward's kernels rather than by autograd after them.
 """
 import math
 
@@ -87,17 +90,40 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     return F.normalize(x, dim=-1)
 
 
-def block_output(
-    x: torch.Tensor, attention: torch.Tensor, u: torch.Tensor, norm: nn.LayerNorm, output: nn.Linear, dropout: nn.Dropout,
-) -> torch.Tensor:
-    """x + W_o · Dropout(LayerNorm(attention) ⊙ U): attention (total, heads, dv) is the
-    attention's output, u (total, heads · dv) block_input's U."""
-    return projected_residual(x, dropout(norm(attention.reshape(u.shape)) * u), output)
-
-
 def projected_residual(x: torch.Tensor, h: torch.Tensor, output: nn.Linear) -> torch.Tensor:
     """x + W_o · h: a block's output from Dropout(LayerNorm(A V) ⊙ U), h."""
     return x + output(h)
+
+
+def gated_norm(attention: torch.Tensor, u: torch.Tensor, norm: nn.LayerNorm, dropout: nn.Dropout) -> torch.Tensor:
+    """Dropout(LayerNorm(A V) ⊙ U) by torch's ops: attention (total, heads, dv) is the
+    attention's output, u (total, heads · dv) block_input's U."""
+    return dropout(norm(attention.reshape(u.shape)) * u)
+
+
+def first_block_input(
+    item_emb: torch.Tensor, at: torch.Tensor, positions: nn.Embedding, dropout: nn.Dropout,
+    norm: nn.LayerNorm, uvqk_weight: torch.Tensor, heads: int, dqk: int, dv: int,
+) -> tuple[torch.Tensor, ...]:
+    """(x, U, V, Q, K): the first block's input x (model_input) and its projections
+    (block_input)."""
+    x = model_input(item_emb, at, positions, dropout)
+    return (x, *block_input(x, norm, uvqk_weight, heads, dqk, dv))
+
+
+def next_block_input(
+    x: torch.Tensor, h: torch.Tensor, output: nn.Linear, norm: nn.LayerNorm, uvqk_weight: torch.Tensor,
+    heads: int, dqk: int, dv: int,
+) -> tuple[torch.Tensor, ...]:
+    """(x', U, V, Q, K): a block's output x' = projected_residual(x, h) and the next block's
+    projections of it (block_input)."""
+    y = projected_residual(x, h, output)
+    return (y, *block_input(y, norm, uvqk_weight, heads, dqk, dv))
+
+
+def last_block_output(x: torch.Tensor, h: torch.Tensor, output: nn.Linear) -> torch.Tensor:
+    """The model's output: the last block's projected_residual, rows at unit norm."""
+    return unit_rows(projected_residual(x, h, output))
 
 
 class KernelLayerNorm(nn.LayerNorm):
@@ -110,6 +136,10 @@ class KernelLayerNorm(nn.LayerNorm):
 
 
 class HSTUBlock(nn.Module):
+    """One block's weights, and its work from the projections U, V, Q, K to h =
+    Dropout(LayerNorm(A V) ⊙ U) (`mixed`); the model joins the blocks through
+    next_block_input."""
+
     def __init__(self, c: HSTUConfig):
         super().__init__()
         self.heads, self.dqk, self.dv = c.num_heads, c.attention_dim, c.linear_dim
@@ -128,18 +158,22 @@ class HSTUBlock(nn.Module):
         self.bias = RelativeBias(c.max_seq_len, c.num_time_buckets)
         self.norm_mul_dropout = c.norm_mul_dropout_kernel
 
-    def forward(self, x: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, backend: str) -> torch.Tensor:
-        # (x, and the attention's output and U: the jagged arguments)
-        into = compiled(block_input, (0,)) if self.compile else block_input
-        u, v, q, k = into(x, self.input_norm, self.uvqk.weight, self.heads, self.dqk, self.dv)
+    def projections(self) -> tuple:
+        """block_input's arguments after x: this block's layer norm, projection weight and
+        head sizes."""
+        return self.input_norm, self.uvqk.weight, self.heads, self.dqk, self.dv
+
+    def mixed(
+        self, u: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, timestamps: torch.Tensor,
+        offsets: torch.Tensor, backend: str,
+    ) -> torch.Tensor:
+        """h = Dropout(LayerNorm(A V) ⊙ U) (total, heads · dv), A V the attention of Q, K, V."""
         out = hstu_attention(q, k, v, offsets, timestamps, self.bias.position, self.bias.time, self.max_seq_len, backend=backend)
-        if self.norm_mul_dropout and use_triton(backend, x.device, "attention"):
-            # (its own kernels, outside torch.compile; the projection and the residual compiled)
+        if self.norm_mul_dropout and use_triton(backend, u.device, "attention"):
+            # (its own kernels, outside torch.compile)
             p = self.dropout.p if self.training else 0.0
-            h = norm_mul_dropout(out.reshape(u.shape), u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, p, backend)
-            return (compiled(projected_residual, (0, 1)) if self.compile else projected_residual)(x, h, self.output)
-        out_of = compiled(block_output, (0, 1, 2)) if self.compile else block_output
-        return out_of(x, out, u, self.attn_norm, self.output, self.dropout)
+            return norm_mul_dropout(out.reshape(u.shape), u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, p, backend)
+        return (compiled(gated_norm, (0, 1)) if self.compile else gated_norm)(out, u, self.attn_norm, self.dropout)
 
 
 class HSTU(nn.Module):
@@ -148,6 +182,8 @@ class HSTU(nn.Module):
 
     def __init__(self, c: HSTUConfig, attention_backend: str = "auto"):
         super().__init__()
+        if c.num_blocks < 1:
+            raise ValueError(f"HSTU needs at least one block, got num_blocks={c.num_blocks}")
         self.config = c
         self.attention_backend = attention_backend
         self.positions = nn.Embedding(c.max_seq_len, c.embedding_dim)
@@ -158,8 +194,13 @@ class HSTU(nn.Module):
     def forward(self, item_emb: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """item_emb (total, D), timestamps (total,), offsets (B + 1,) int64 of sequences no
         longer than max_seq_len → (total, D), unit norm."""
+        # (the jagged arguments: the rows, and h)
+        call = (lambda fn: compiled(fn, (0, 1))) if self.config.compile_blocks else (lambda fn: fn)
         at = positions_in_sequence(offsets, item_emb.shape[0])
-        x = (compiled(model_input, (0, 1)) if self.config.compile_blocks else model_input)(item_emb, at, self.positions, self.input_dropout)
-        for block in self.blocks:
-            x = block(x, timestamps, offsets, self.attention_backend)
-        return (compiled(unit_rows, (0,)) if self.config.compile_blocks else unit_rows)(x)
+        blocks = list(self.blocks)
+        x, u, v, q, k = call(first_block_input)(item_emb, at, self.positions, self.input_dropout, *blocks[0].projections())
+        for block, following in zip(blocks[:-1], blocks[1:]):
+            h = block.mixed(u, v, q, k, timestamps, offsets, self.attention_backend)
+            x, u, v, q, k = call(next_block_input)(x, h, block.output, *following.projections())
+        h = blocks[-1].mixed(u, v, q, k, timestamps, offsets, self.attention_backend)
+        return call(last_block_output)(x, h, blocks[-1].output)
