@@ -112,7 +112,9 @@ PRESETS = {
     # the production shape: long histories, a wide model (GPU only)
     "hstu-long": HSTUConfig(
         num_blocks=8, num_heads=4, attention_dim=128, linear_dim=128, embedding_dim=512, max_seq_len=4096, batch_size=16,
-        cuda_graph_buckets=0,  # the host is not its bound, and each bucket's graph holds its activations
+        # no graphs: they take the host's share off the step but add more GPU work than that
+        # (padding to a bucket) and double the memory (benchmarks/train_throughput.md)
+        cuda_graph_buckets=0,
     ),
 }
 
