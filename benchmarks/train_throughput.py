@@ -33,6 +33,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -178,17 +179,41 @@ def sync_sites(caught: list) -> Counter:
     return Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message))
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The preset's settings a run replaces (None: the preset's own)."""
+    batch_size: int | None = None
+    cuda_graph_buckets: int | None = None
+    row_multiple: int | None = None
+    compile_blocks: bool | None = None
+    layer_norm_kernel: bool | None = None
+    norm_mul_dropout_kernel: bool | None = None
+    whole_item_table: int | None = None  # rows: the item table allocated whole (it never grows)
+
+    def config(self, preset_name: str):
+        return preset(preset_name).override(
+            batch_size=self.batch_size, cuda_graph_buckets=self.cuda_graph_buckets, row_multiple=self.row_multiple,
+            compile_blocks=self.compile_blocks, layer_norm_kernel=self.layer_norm_kernel,
+            norm_mul_dropout_kernel=self.norm_mul_dropout_kernel,
+            embedding_capacity=self.whole_item_table, embedding_max_capacity=self.whole_item_table,
+        )
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """What a run records beside its time (each slows the timed steps but host_sections)."""
+    profile: str | None = None  # a directory for torch.profiler's traces
+    count_syncs: bool = False
+    host_profile: bool = False
+    host_sections: bool = False
+
+
 def run(
-    device: str, preset_name: str, users: int, steps: int, warmup: int, batch_size: int | None, profile: str | None = None,
-    cuda_graph_buckets: int | None = None, count_syncs: bool = False, workers: int = 2, whole_item_table: int | None = None,
-    compile_blocks: bool | None = None, host_profile: bool = False, layer_norm_kernel: bool | None = None, host_sections: bool = False,
-    row_multiple: int | None = None, norm_mul_dropout_kernel: bool | None = None,
+    device: str, preset_name: str, users: int, steps: int, warmup: int, settings: Settings = Settings(),
+    diagnostics: Diagnostics = Diagnostics(), workers: int = 2,
 ) -> dict:
-    config = preset(preset_name).override(
-        batch_size=batch_size, cuda_graph_buckets=cuda_graph_buckets, compile_blocks=compile_blocks, embedding_capacity=whole_item_table,
-        layer_norm_kernel=layer_norm_kernel, row_multiple=row_multiple, norm_mul_dropout_kernel=norm_mul_dropout_kernel,
-        embedding_max_capacity=whole_item_table,
-    )
+    config = settings.config(preset_name)
+    profile, count_syncs = diagnostics.profile, diagnostics.count_syncs
     with tempfile.TemporaryDirectory() as tmp:
         if config.max_seq_len > ML1M_LIKE_MAX_LEN:
             users = config.batch_size * (warmup + steps)
@@ -202,8 +227,8 @@ def run(
         if profile:
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
             profiler = torch.profiler.profile(activities=activities)
-        host_profiler = cProfile.Profile() if host_profile else None
-        sections = HostSections() if host_sections else None
+        host_profiler = cProfile.Profile() if diagnostics.host_profile else None
+        sections = HostSections() if diagnostics.host_sections else None
         timer = StepTimer(warmup, device, profiler, count_syncs, host_profiler, sections)
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
@@ -299,12 +324,13 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
-    rows = [
-        run(args.device, name, args.users, args.steps, args.warmup, args.batch_size, args.profile, args.cuda_graph_buckets, args.count_syncs,
-            args.workers, args.whole_item_table, args.compile_blocks, args.host_profile, args.layer_norm_kernel, args.host_sections,
-            args.row_multiple, args.norm_mul_dropout_kernel)
-        for name in args.preset
-    ]
+    settings = Settings(
+        batch_size=args.batch_size, cuda_graph_buckets=args.cuda_graph_buckets, row_multiple=args.row_multiple,
+        compile_blocks=args.compile_blocks, layer_norm_kernel=args.layer_norm_kernel,
+        norm_mul_dropout_kernel=args.norm_mul_dropout_kernel, whole_item_table=args.whole_item_table,
+    )
+    diagnostics = Diagnostics(args.profile, args.count_syncs, args.host_profile, args.host_sections)
+    rows = [run(args.device, name, args.users, args.steps, args.warmup, settings, diagnostics, args.workers) for name in args.preset]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")
     for r in rows:
         mfu = f"{100 * r['MFU']:6.1f}%" if r["MFU"] is not None else f"{'-':>7}"
