@@ -16,10 +16,11 @@ import triton.language as tl
 
 from ..autotune import TunedLaunches, autotuned
 from ..layer_norm.triton_kernels import ROW_TILE, _input_grad, _normalized_rows, _renormalized_rows, backward_partials
-from .reference import WORDS, keep_scale, keep_threshold
 
 CONFIGS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]  # (2 warps spill at these tiles)
+WORDS = 4  # the words of one tl.randint4x call: the mask's columns per counter
 _WORDS = tl.constexpr(WORDS)  # (a kernel reads module constants as constexpr only)
+WORD_VALUES = 1 << 32  # a Philox word is an unsigned 32-bit integer
 INTERPRETER_CONFIG = triton.Config({}, num_warps=8)  # (also the GPU tests' one: it does not spill)
 
 
@@ -79,6 +80,16 @@ def _backward_kernel(
 
 _forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim", "DROPOUT"]))
 _backward = TunedLaunches(autotuned(_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim", "DROPOUT"]))
+
+
+def keep_threshold(p: float) -> int:
+    """The least Philox word that keeps an element: p of the WORD_VALUES words drop it."""
+    return round(p * WORD_VALUES)
+
+
+def keep_scale(p: float) -> float:
+    """1 / (1 - p), what a kept element is multiplied by (0 where nothing is kept)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
 def _blocks(dim: int) -> tuple[int, int]:
