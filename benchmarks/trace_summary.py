@@ -17,8 +17,10 @@ only) and adds this summary to its JSON row.
   says the host was busy with its own work).
 """
 import argparse
+import bisect
 import json
 from collections import Counter
+from itertools import accumulate
 from pathlib import Path
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's categories of GPU activity
@@ -54,14 +56,16 @@ def summarize(events: list[dict], steps: int, top: int = 30, min_gap_us: float =
         count[name] += 1
     spans = busy_spans(kernels)
     calls = _intervals(events, HOST_CALLS)
+    starts = [s for s, _, _ in calls]
+    ends_so_far = list(accumulate((e for _, e, _ in calls), max))  # the latest end among calls[:i + 1]
     gaps = []
     for (_, gap_start, _, before), (gap_end, _, after, _) in zip(spans, spans[1:]):
         if gap_end - gap_start < min_gap_us:
             continue
         overlap = {}
-        for s, e, name in calls:
-            if s >= gap_end:
-                break
+        # the calls that may overlap the gap: from the first whose predecessors' ends reach past
+        # its start, to the last that starts before its end
+        for s, e, name in calls[bisect.bisect_right(ends_so_far, gap_start):bisect.bisect_left(starts, gap_end)]:
             shared = min(e, gap_end) - max(s, gap_start)
             if shared > overlap.get(name, 0):
                 overlap[name] = shared
