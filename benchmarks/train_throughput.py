@@ -8,12 +8,14 @@ One process, the real LightningModule, data loader and Trainer (manual optimizat
 lookups and fused sparse updates included), bf16 autocast on CUDA as training runs there.
 Data: synthetic ML-1M-like sequences (seeded) for the paper presets; for presets longer
 than those (hstu-long) sequences of lengths uniform in [N/2, N] over a Zipf catalog. The
-first `--warmup` steps are not timed; on CUDA the timed window starts and ends with a
-synchronize and has none of its own between steps. Besides the window's mean, each row
-gives the spread of the steps' own times (`step_ms`: median, 90th percentile, the
-slowest and which it was), from a CUDA event recorded at each step's end. On one CUDA
-device the model's forward and backward replay CUDA graphs (lightning_modules/cuda_graphs.py)
-unless `--cuda-graph-buckets 0`.
+first `--warmup` steps are not timed, and never fewer than the steps up to the first logged
+one (LOG_EVERY_N_STEPS): Lightning makes its metric objects at the first value logged, a
+one-time 20 ms or so of host work that a short window would count as the steps' own. On
+CUDA the timed window starts and ends with a synchronize and has none of its own between
+steps. Besides the window's mean, each row gives the spread of the steps' own times
+(`step_ms`: median, 90th percentile, the slowest and which it was), from a CUDA event
+recorded at each step's end. On one CUDA device the model's forward and backward replay
+CUDA graphs (lightning_modules/cuda_graphs.py) unless `--cuda-graph-buckets 0`.
 
 The Trainer has training's FrozenSetup (the setup's objects out of the garbage
 collector's way); each row gives the collector's pauses in the timed steps (gc_pauses.py).
@@ -63,6 +65,7 @@ ML1M_LIKE_MAX_LEN = 2000  # the synthetic generator's longest sequence
 CATALOG = 1 << 20  # items of the uniform-length data
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's sync debug mode warning
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")  # host calls that start GPU work
+LOG_EVERY_N_STEPS = 50  # the Trainer's (Lightning's default): the module logs every this many steps
 HOST_PROFILE_ROWS = 45  # functions --host-profile prints, by own time and by cumulative time
 
 
@@ -214,6 +217,9 @@ def run(
 ) -> dict:
     config = settings.config(preset_name)
     profile, count_syncs = diagnostics.profile, diagnostics.count_syncs
+    if warmup < LOG_EVERY_N_STEPS:
+        print(f"{preset_name}: {LOG_EVERY_N_STEPS} warmup steps, not {warmup}: the first logged step's one-time work goes untimed")
+        warmup = LOG_EVERY_N_STEPS
     with tempfile.TemporaryDirectory() as tmp:
         if config.max_seq_len > ML1M_LIKE_MAX_LEN:
             users = config.batch_size * (warmup + steps)
@@ -233,6 +239,7 @@ def run(
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
+            log_every_n_steps=LOG_EVERY_N_STEPS,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[timer, FrozenSetup()],  # (as training has it)
         )
@@ -284,7 +291,7 @@ def run(
         "layer_norm_kernel": config.layer_norm_kernel, "norm_mul_dropout_kernel": config.norm_mul_dropout_kernel, "pair_bias_tiles": triton_kernels.reads_pair_biases(config.max_seq_len),
         "rows_by_descriptor": triton_kernels.ROWS_BY_DESCRIPTOR, "keep_pair_biases": triton_kernels.KEEP_PAIR_BIASES,
         "embedding_capacity": config.embedding_capacity, "embedding_max_capacity": config.embedding_max_capacity, "users": users, "workers": workers,
-        "timed_steps": timer.steps, "seconds": timer.elapsed,
+        "warmup_steps": warmup, "timed_steps": timer.steps, "seconds": timer.elapsed,
         "samples_per_s": sum(len(x) for x in lengths) / timer.elapsed,
         "positions_per_s": sum(int(x.sum()) for x in lengths) / timer.elapsed,
         "ms_per_step": 1000 * timer.elapsed / timer.steps, "step_ms": step_spread(timer.step_times_ms()),
@@ -304,7 +311,7 @@ def main() -> None:
     p.add_argument("--preset", nargs="+", default=["hstu", "hstu-large"], choices=sorted(PRESETS))
     p.add_argument("--users", type=int, default=6040)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=LOG_EVERY_N_STEPS, help="untimed steps (at least LOG_EVERY_N_STEPS)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--workers", type=int, default=2, help="data loader worker processes")
     p.add_argument("--cuda-graph-buckets", type=int, help="the presets' CUDA graph buckets replaced (0: no graphs)")
