@@ -137,7 +137,7 @@ class KernelLayerNorm(nn.LayerNorm):
 
 class HSTUBlock(nn.Module):
     """One block's weights, and its work from the projections U, V, Q, K to h =
-    Dropout(LayerNorm(A V) ⊙ U) (`mixed`); the model joins the blocks through
+    Dropout(LayerNorm(A V) ⊙ U) (`attend`); the model joins the blocks through
     next_block_input."""
 
     def __init__(self, c: HSTUConfig):
@@ -163,7 +163,7 @@ class HSTUBlock(nn.Module):
         head sizes."""
         return self.input_norm, self.uvqk.weight, self.heads, self.dqk, self.dv
 
-    def mixed(
+    def attend(
         self, u: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, timestamps: torch.Tensor,
         offsets: torch.Tensor, backend: str,
     ) -> torch.Tensor:
@@ -200,7 +200,7 @@ class HSTU(nn.Module):
         blocks = list(self.blocks)
         x, u, v, q, k = call(first_block_input)(item_emb, at, self.positions, self.input_dropout, *blocks[0].projections())
         for block, following in zip(blocks[:-1], blocks[1:]):
-            h = block.mixed(u, v, q, k, timestamps, offsets, self.attention_backend)
+            h = block.attend(u, v, q, k, timestamps, offsets, self.attention_backend)
             x, u, v, q, k = call(next_block_input)(x, h, block.output, *following.projections())
-        h = blocks[-1].mixed(u, v, q, k, timestamps, offsets, self.attention_backend)
+        h = blocks[-1].attend(u, v, q, k, timestamps, offsets, self.attention_backend)
         return call(last_block_output)(x, h, blocks[-1].output)
