@@ -19,3 +19,8 @@ def compiled(fn, jagged: tuple[int, ...]):
         return compiled_fn(*args)
 
     return call
+
+
+def compiled_if(compile: bool, fn, jagged: tuple[int, ...] = (0, 1)):
+    """compiled(fn, jagged) where compile is set, else fn itself."""
+    return compiled(fn, jagged) if compile else fn

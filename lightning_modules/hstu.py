@@ -30,6 +30,7 @@ over memory each, and since a block's output x' and the next block's input are m
 function, the two gradients of x' (the residual's and the layer norm's) are summed inside
 its backward's kernels rather than by autograd after them.
 """
+import functools
 import math
 
 import torch
@@ -41,7 +42,7 @@ from kernels.hstu_attention import hstu_attention
 from kernels.layer_norm import layer_norm
 from kernels.norm_mul_dropout import norm_mul_dropout
 
-from .compiled import compiled
+from .compiled import compiled_if
 from .config import HSTUConfig
 
 
@@ -173,7 +174,7 @@ class HSTUBlock(nn.Module):
             # (its own kernels, outside torch.compile)
             p = self.dropout.p if self.training else 0.0
             return norm_mul_dropout(out.reshape(u.shape), u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, p, backend)
-        return (compiled(gated_norm, (0, 1)) if self.compile else gated_norm)(out, u, self.attn_norm, self.dropout)
+        return compiled_if(self.compile, gated_norm)(out, u, self.attn_norm, self.dropout)
 
 
 class HSTU(nn.Module):
@@ -194,8 +195,8 @@ class HSTU(nn.Module):
     def forward(self, item_emb: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """item_emb (total, D), timestamps (total,), offsets (B + 1,) int64 of sequences no
         longer than max_seq_len → (total, D), unit norm."""
-        # (the jagged arguments: the rows, and h)
-        call = (lambda fn: compiled(fn, (0, 1))) if self.config.compile_blocks else (lambda fn: fn)
+        # (compiled, the jagged arguments are the first two: the rows, and h)
+        call = functools.partial(compiled_if, self.config.compile_blocks)
         at = positions_in_sequence(offsets, item_emb.shape[0])
         blocks = list(self.blocks)
         x, u, v, q, k = call(first_block_input)(item_emb, at, self.positions, self.input_dropout, *blocks[0].projections())

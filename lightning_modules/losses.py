@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kernels.sampled_softmax import sampled_softmax_cross_entropy
 from kernels.softmax_cross_entropy import softmax_cross_entropy
 
-from .compiled import compiled
+from .compiled import compiled_if
 
 
 def sampled_softmax_loss(
@@ -38,7 +38,7 @@ def sampled_softmax_loss(
     per-position work before the logits (scaled_queries) through torch.compile, the same
     values in a fused kernel or two where eager torch makes a pass per operation.
     """
-    queries, positive = (compiled(scaled_queries, (0, 1)) if compile else scaled_queries)(out, target_emb, temperature)
+    queries, positive = compiled_if(compile, scaled_queries)(out, target_emb, temperature)
     return sampled_softmax_cross_entropy(
         queries, F.normalize(negative_emb, dim=-1), positive, negative_ids, target_ids, real_rows=real_rows,
     )
