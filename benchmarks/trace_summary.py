@@ -75,6 +75,7 @@ def summarize(events: list[dict], steps: int, top: int = 30, min_gap_us: float =
     per_step = 1000.0 * steps
     return {
         "steps": steps,
+        "min_gap_us": min_gap_us,
         "kernels_per_step": len(kernels) / steps,
         "busy_ms_per_step": sum(e - s for s, e, _, _ in spans) / per_step,
         "kernel_ms_per_step": sum(total.values()) / per_step,
@@ -93,7 +94,7 @@ def load_events(path: str | Path) -> list[dict]:
 def print_summary(s: dict, width: int = 110) -> None:
     print(f"{s['kernels_per_step']:.0f} kernels a step; GPU busy {s['busy_ms_per_step']:.2f} ms of a "
           f"{s['window_ms_per_step']:.2f} ms window a step (kernel time {s['kernel_ms_per_step']:.2f}), "
-          f"idle {s['idle_ms_per_step']:.2f} ms in gaps of {MIN_GAP_US:g} µs or more")
+          f"idle {s['idle_ms_per_step']:.2f} ms in gaps of {s['min_gap_us']:g} µs or more")
     print(f"\n{'ms/step':>9}{'launches':>10}  kernel")
     for k in s["kernels"]:
         print(f"{k['ms_per_step']:>9.3f}{k['launches_per_step']:>10.1f}  {k['kernel'][:width]}")

@@ -216,7 +216,7 @@ def run(
     diagnostics: Diagnostics = Diagnostics(), workers: int = 2,
 ) -> dict:
     config = settings.config(preset_name)
-    profile, count_syncs = diagnostics.profile, diagnostics.count_syncs
+    profile = diagnostics.profile
     if warmup < LOG_EVERY_N_STEPS:
         print(f"{preset_name}: {LOG_EVERY_N_STEPS} warmup steps, not {warmup}: the first logged step's one-time work goes untimed")
         warmup = LOG_EVERY_N_STEPS
@@ -235,7 +235,7 @@ def run(
             profiler = torch.profiler.profile(activities=activities)
         host_profiler = cProfile.Profile() if diagnostics.host_profile else None
         sections = HostSections() if diagnostics.host_sections else None
-        timer = StepTimer(warmup, device, profiler, count_syncs, host_profiler, sections)
+        timer = StepTimer(warmup, device, profiler, diagnostics.count_syncs, host_profiler, sections)
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),

@@ -45,6 +45,9 @@ def test_kernels_busy_time_and_gaps_per_step():
     assert s["idle_ms_per_step"] == pytest.approx(0.1)
     held = {g["us"]: (g["host_call"], g["host_call_overlap_us"]) for g in s["longest_gaps"]}
     assert held == {75: ("cudaStreamSynchronize", 68), 90: (None, 0.0), 20: (None, 0.0), 15: (None, 0.0)}
+    # a higher floor keeps the longer gaps alone, and the summary says which floor it used
+    coarse = trace_summary.summarize(EVENTS, steps=2, min_gap_us=18)
+    assert coarse["min_gap_us"] == 18 and [g["us"] for g in coarse["longest_gaps"]] == [90, 75, 20]
 
 
 def test_the_command_line_writes_the_summary_and_refuses_a_trace_without_kernels(tmp_path, capsys):
