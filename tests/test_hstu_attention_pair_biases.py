@@ -169,3 +169,13 @@ def test_attention_from_pair_biases_and_from_biases_per_tile_match_the_twin(monk
     monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 1 << 20)  # below the floor: per tile
     base.test_triton_attention_matches_the_twin_forward_and_backward(LENGTHS[0], torch.float16, 2, 50, 64, targets, context_len)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 3)])
+def test_runs_of_unmasked_tiles_match_the_twin(monkeypatch, targets, context_len):
+    """Sequences of several unmasked tiles in a row (the interpreter's tiles are 64 rows),
+    where the forward and the dK dV kernel load each tile's pair biases while the tile
+    before it computes: outputs and gradients match the twin (biases of the wrong tile, or
+    of none, fail)."""
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)
+    base.test_triton_attention_matches_the_twin_forward_and_backward([200, 131, 0, 7], torch.float16, 2, 16, 32, targets, context_len)

@@ -17,6 +17,10 @@ dK and dV, and with STORE_DS writes each tile's dS (the scores' gradient) into a
 query block, recomputes the scores once more for dQ and the biases' gradients where no
 buffer is used.
 
+Where the biases come from the prepass, the forward and the dK dV kernel load each unmasked
+tile's biases one tile ahead through pointers (_prefetched_biases), so the products do not
+wait for them; the masked tiles (the diagonal, a sequence's last block) read theirs where
+they use them, through the descriptor.
 Where the biases are computed per tile, each kernel walks its tiles in three loops: the
 tiles whose every pair is allowed (wholly below the diagonal and inside the history) skip
 the mask, and of those, the run farthest from the diagonal whose gaps span two time
@@ -72,22 +76,36 @@ def _biases_in(biases_ptr, b, n, max_seq_len, BY_DESCRIPTOR: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _prefetched_biases(at, live, ahead):
+    """A tile of the prepass's pair biases loaded through pointers `at` (zeros where not
+    live, none where not `ahead`): the tile after the one the products use. A descriptor's
+    load waits for its data where it is issued, and Triton's pipeliner prefetches only the
+    products' operands, so the biases of each unmasked tile are loaded while the tile
+    before computes (benchmarks/hstu_attention.md, "The biases a tile ahead")."""
+    # (not `live & ahead`: Triton's interpreter gives a tile `&` a scalar an integer type, no mask)
+    return tl.load(at, mask=tl.where(ahead, live, False), other=0.0)
+
+
+@triton.jit
 def _forward_tile(
     acc, acc2, q, q2, rows, t_rows, n0, k_in, v_in, k2_in, v2_in, timestamps_ptr, start, t0, n, history_end, heads, h,
     position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high, biases_in, m0,
     MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, PAIR: tl.constexpr, BIAS_TILES: tl.constexpr,
     BY_DESCRIPTOR: tl.constexpr, ROWS_BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, given=0.0, GIVEN: tl.constexpr = False,
 ):
     """The tile of key rows n0 .. n0 + BLOCK_N - 1 added into head h's acc, and (PAIR) head
     h + 1's acc2: the biases and the mask are the heads' own, computed once for both, or
-    (BIAS_TILES) read from the prepass's tile (bias_tiles.py): biases_in is the sequence's
-    descriptor (BY_DESCRIPTOR), else its block's pointer. k_in, v_in (k2_in, v2_in: head
-    h + 1's) are K's and V's pointers, or (ROWS_BY_DESCRIPTOR) their heads' descriptors."""
+    (BIAS_TILES) read from the prepass's tile (bias_tiles.py), or (GIVEN) that tile loaded
+    before (_prefetched_biases): biases_in is the sequence's descriptor (BY_DESCRIPTOR),
+    else its block's pointer. k_in, v_in (k2_in, v2_in: head h + 1's) are K's and V's
+    pointers, or (ROWS_BY_DESCRIPTOR) their heads' descriptors."""
     cols, col_live, k, v, t_cols = _row_block(
         k_in, v_in, timestamps_ptr, start, t0, n0, n, heads, h, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, ROWS_BY_DESCRIPTOR,
     )
-    if BIAS_TILES:
+    if GIVEN:
+        bias = given.to(tl.float32)
+    elif BIAS_TILES:
         bias = _tile_biases(biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR)
     else:
         bias, _, _ = _biases(
@@ -164,11 +182,20 @@ def _forward_kernel(
                 position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high, biases_in,
                 m0, False, True, PAIR, BIAS_TILES, BY_DESCRIPTOR, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             )
+    given = 0.0
+    if BIAS_TILES:  # (no two-bucket tiles there: split is 0) the first unmasked tile's biases
+        bias_at = _pair_biases_slot(biases_ptr, b, max_seq_len) + (rows * _row_length(max_seq_len))[:, None]
+        bias_at += tl.arange(0, BLOCK_N)[None, :]
+        given = _prefetched_biases(bias_at + split, row_live[:, None], split < full)
     for n0 in range(split, full, BLOCK_N):
+        tile_biases = given
+        if BIAS_TILES:
+            given = _prefetched_biases(bias_at + (n0 + BLOCK_N), row_live[:, None], n0 + BLOCK_N < full)
         acc, acc2 = _forward_tile(
             acc, acc2, q, q2, rows, t_rows, n0, k_in, v_in, k2_in, v2_in, timestamps_ptr, start, t0, n, history_end, heads, h,
             position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0, biases_in, m0,
             False, False, PAIR, BIAS_TILES, BY_DESCRIPTOR, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            tile_biases, BIAS_TILES,
         )
     for n0 in range(full, end, BLOCK_N):
         acc, acc2 = _forward_tile(
@@ -198,16 +225,19 @@ def _backward_kv_tile(
     heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, threshold, low, high,
     biases_in, MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, STORE_DS: tl.constexpr, BY_DESCRIPTOR: tl.constexpr,
     BIAS_TILES: tl.constexpr, ROWS_BY_DESCRIPTOR: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, given=0.0, GIVEN: tl.constexpr = False,
 ):
     """dK and dV plus the query rows m0 .. m0 + BLOCK_M - 1's share; (STORE_DS) the tile's
     dS into ds_out: the sequence's descriptor (BY_DESCRIPTOR), else the buffer's pointer;
-    (BIAS_TILES) the biases read through biases_in as the forward reads them; q_in, do_in:
-    Q's and dO's pointers, or (ROWS_BY_DESCRIPTOR) head h's descriptors."""
+    (BIAS_TILES) the biases read through biases_in as the forward reads them, or (GIVEN)
+    that tile loaded before (_prefetched_biases); q_in, do_in: Q's and dO's pointers, or
+    (ROWS_BY_DESCRIPTOR) head h's descriptors."""
     rows, row_live, q, do, t_rows = _row_block(
         q_in, do_in, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, ROWS_BY_DESCRIPTOR,
     )
-    if BIAS_TILES:
+    if GIVEN:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + given.to(tl.float32)
+    elif BIAS_TILES:
         s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + _tile_biases(
             biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR,
         )
@@ -277,11 +307,21 @@ def _backward_kv_kernel(
     split, lo, hi, entry = _two_bucket_run(
         ext_ptr, ext_blocks, b, t_cols, col_live, full, n, edges_ptr, num_buckets, BLOCK_M, False, TWO_BUCKET_TILES,
     )
+    given = 0.0
+    if BIAS_TILES:  # (no two-bucket tiles there: split is n) the first unmasked tile's biases
+        row_len = _row_length(max_seq_len)
+        tile_rows = tl.arange(0, BLOCK_M)[:, None]
+        bias_at = _pair_biases_slot(biases_ptr, b, max_seq_len) + tile_rows * row_len + cols[None, :]
+        given = _prefetched_biases(bias_at + full * row_len, full + tile_rows < n, full < split)
     for m0 in range(full, split, BLOCK_M):
+        tile_biases = given
+        if BIAS_TILES:
+            given = _prefetched_biases(bias_at + (m0 + BLOCK_M) * row_len, m0 + BLOCK_M + tile_rows < n, m0 + BLOCK_M < split)
         dk_acc, dv_acc = _backward_kv_tile(
             dk_acc, dv_acc, k, v, cols, col_live, t_cols, m0, n0, q_in, do_in, ds_out, timestamps_ptr, start, t0, n,
             history_end, heads, h, b, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, context_len, scale, 0.0, 0.0, 0.0,
             biases_in, False, False, STORE_DS, BY_DESCRIPTOR, BIAS_TILES, ROWS_BY_DESCRIPTOR, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+            tile_biases, BIAS_TILES,
         )
     if TWO_BUCKET_TILES:
         last = (tl.cdiv(n, BLOCK_M) - 1) * BLOCK_M  # (the last query block: no extremes are read past it)
