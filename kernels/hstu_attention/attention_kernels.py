@@ -235,12 +235,12 @@ def _backward_kv_tile(
     rows, row_live, q, do, t_rows = _row_block(
         q_in, do_in, timestamps_ptr, start, t0, m0, n, heads, h, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, ROWS_BY_DESCRIPTOR,
     )
-    if GIVEN:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + given.to(tl.float32)
-    elif BIAS_TILES:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + _tile_biases(
-            biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR,
-        )
+    if BIAS_TILES:
+        if GIVEN:
+            bias = given.to(tl.float32)
+        else:
+            bias = _tile_biases(biases_in, rows, cols, m0, n0, n, max_seq_len, BY_DESCRIPTOR)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32") + bias
     else:
         s, _, _ = _biased_scores(
             q, k, rows, cols, t_rows, t_cols, position_ptr, time_ptr, edges_ptr, max_seq_len, num_buckets, threshold, low, high,
