@@ -443,6 +443,27 @@ def test_dq_and_bias_grads_from_score_grads_match_the_twins(monkeypatch, dtype, 
         assert g.dtype == torch.float32 and g.shape == w.shape and close(g, w, 2e-5)
 
 
+@pytest.mark.parametrize("context_len", [0, 40])
+def test_bias_grads_of_blocks_of_targets_match_the_twin(context_len):
+    """bias_grads_from_score_grads where whole blocks of rows are targets (which attend to
+    the history and themselves) and a long context prefix attends to every key of the
+    history, every entry of ds a row does not attend to NaN."""
+    lengths, targets = [150, 97, 64, 130], [70, 33, 0, 129]
+    max_seq_len, heads = 160, 2
+    gen = torch.Generator().manual_seed(5)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    stamps = torch.cumsum(torch.exp(torch.rand(sum(lengths), generator=gen) * 12).long(), 0)
+    ds = torch.full((len(lengths), heads, max_seq_len, max_seq_len), float("nan"))
+    for b, (n, t) in enumerate(zip(lengths, targets)):
+        attended = reference.allowed_pairs(n, t, context_len, "cpu")
+        ds[b, :, :n, :n] = torch.where(attended, torch.randn(heads, n, n, generator=gen), float("nan"))
+    args = (offsets.to(DEVICE), stamps.to(DEVICE), max_seq_len, NUM_BUCKETS, torch.tensor(targets).to(DEVICE), context_len)
+    got = triton_kernels.bias_grads_from_score_grads(ds.to(DEVICE, torch.float16), *args)
+    want = reference.bias_grads_from_score_grads(ds.to(DEVICE, torch.float16), *args)
+    for g, w in zip(got, want):
+        assert close(g, w, 2e-5)
+
+
 def test_the_score_grads_buffer_takes_at_most_a_share_of_the_gpus_memory(monkeypatch):
     """On a GPU the stored-dS buffer holds at most 1 / SCORE_GRADS_MEMORY_SHARE of its
     memory: fewer sequences a pass on a small GPU, none (the recomputing path) where one

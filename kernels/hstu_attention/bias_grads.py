@@ -1,7 +1,8 @@
 """How the attention's backward kernels add a tile's score gradients (dS) into the two bias
-tables' gradients: the position gradient by one atomic add per pair at its index, the time
-gradient by two sums per tile where the tile spans two buckets at most, else by runs of
-equal buckets along each row. Both go into BIAS_GRAD_COPIES copies of each table, a program
+tables' gradients: the position gradient by one atomic add per pair at its index (the
+stored-dS kernel first sums the tiles of a band, score_grads.py), the time gradient by two
+sums per tile where the tile spans two buckets at most, else by runs of equal buckets
+along each row. Both go into BIAS_GRAD_COPIES copies of each table, a program
 into copy (its linear id mod BIAS_GRAD_COPIES), summed after the launch: with one copy,
 programs adding at the same positions or buckets at once wait on each other's adds."""
 import triton
@@ -53,19 +54,34 @@ def _add_bias_grads(
     BLOCK_N: tl.constexpr,
 ):
     """Adds a tile's ds (0 where a pair is not counted) into the gradients at this
-    program's copy: rel and bucket as tiles._pair_buckets gives them (TWO_BUCKETS: bucket
-    says a pair is in tile_bucket + 1, else tile_bucket), counted as tiles._allowed (MASKED)
-    or the live rows."""
+    program's copy: rel and bucket as tiles._pair_buckets gives them, the time gradient
+    as _add_time_grads adds it."""
     tl.atomic_add(position_grad_ptr + rel, ds, mask=counted, sem="relaxed")
+    _add_time_grads(
+        time_grad_ptr, ds, bucket, counted, rows, cols, t_rows, n0, timestamps_ptr, start, t0, n, history_end, context_len,
+        edges_ptr, num_buckets, tile_bucket, MASKED, TWO_BUCKETS, BLOCK_N,
+    )
+
+
+@triton.jit
+def _add_time_grads(
+    time_grad_ptr, ds, bucket, counted, rows, cols, t_rows, n0, timestamps_ptr, start, t0, n, history_end, context_len,
+    edges_ptr, num_buckets, tile_bucket, MASKED: tl.constexpr, TWO_BUCKETS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Adds a tile's ds (0 where a pair is not counted) into the time gradient at this
+    program's copy: columns cols = n0 .. n0 + BLOCK_N - 1 (some below 0 where MASKED),
+    bucket as tiles._pair_buckets gives it (TWO_BUCKETS: whether a pair is in tile_bucket +
+    1, else tile_bucket), counted as tiles._allowed (MASKED) or the live rows."""
     if TWO_BUCKETS:  # (an unmasked tile: ds is 0 where not counted)
         _add_two_bucket_grads(time_grad_ptr, ds, bucket, tile_bucket, num_buckets)
     else:
         # each pair's next column's bucket (the tile's last column's next lies past it)
         after = cols + 1
-        t_after = (tl.load(timestamps_ptr + start + after, mask=after < n, other=t0) - t0).to(tl.float64)
+        after_live = (after >= 0) & (after < n)
+        t_after = (tl.load(timestamps_ptr + start + after, mask=after_live, other=t0) - t0).to(tl.float64)
         after_bucket = _gap_bucket(tl.abs(t_rows[:, None] - t_after[None, :]), edges_ptr, num_buckets)
         if MASKED:
-            counted_after = _allowed(rows, after, n, history_end, context_len)
+            counted_after = _allowed(rows, after, n, history_end, context_len) & after_live[None, :]
         else:  # (every pair of a live row is counted)
             counted_after = counted
         after_bucket = tl.where(counted_after, after_bucket, -1)

@@ -5,9 +5,12 @@ padded to score_grads_row_length(max_seq_len) entries; from it
 
 - dQ of each head is a product of those tiles with K (_dq_kernel), as the recomputing dQ
   kernel's last step, without its scores, biases and masks per pair;
-- the biases' gradients take the heads' dS summed per pair (_bias_grads_kernel): one
-  position index, time bucket and atomic add per pair for all heads, where the recomputing
-  dQ kernel makes them once per head.
+- the biases' gradients take the heads' dS summed per pair (_bias_grads_kernel), a time
+  bucket per pair for all heads where the recomputing dQ kernel makes them once per head.
+  Its programs walk bands of tiles (band_grid), each tile a block of rows further along
+  the diagonal than the one before, so that every tile of a band holds the same position
+  indices at the same places: a band's tiles are summed in registers and added into the
+  position gradient once, not an atomic add per pair and tile.
 
 Only pairs a row attends to are written (tiles._allowed), and only those are read: the
 rest of the buffer is never touched. On GPUs with the Tensor Memory Accelerator (compute
@@ -28,23 +31,24 @@ import triton.language as tl
 
 from ..autotune import TunedLaunches, autotuned
 from ..launch import cdiv
-from .bias_grads import _add_bias_grads, _bias_grad_copy
-from .tiles import _block_times, _counted, _head_rows, _key_ranges, _load_head_rows, _pair_buckets, _program_block, _two_bucket_run
-from .time_buckets import _tile_bucket, _tile_extremes
+from .bias_grads import _add_time_grads, _bias_grad_copy
+from .tiles import _block_times, _counted, _head_rows, _key_ranges, _load_head_rows, _program_block, _sequence
+from .time_buckets import _distances, _gap_bucket, _rows_extremes
 
 # dQ's tiles: a product of a stored (BLOCK_M, BLOCK_N) dS tile with K's block; no per-pair work
 DQ_CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
     for m, n, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4))
 ]
-# the biases' gradients: per-pair sums over heads, indices and atomic adds; no products.
-# BLOCK_N at most 128 (the timestamp extremes cover sequences in blocks of that many rows).
-# Blocks of 16 rows: fewer pairs a thread, so more warps an SM wait on the loads and adds
+# the biases' gradients: per-pair sums over heads, buckets and atomic adds; no products.
+# Blocks of 16 rows: fewer pairs a thread, so more warps an SM wait on the loads and adds.
+# BAND_TILES: tiles a program sums before its position gradient's adds
 BIAS_CONFIGS = [
-    triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-    for m, n, w, st in ((32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 8, 2), (16, 64, 4, 2), (16, 128, 4, 2))
+    triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BAND_TILES": t}, num_warps=w, num_stages=st)
+    for m, n, t, w, st in ((16, 32, 16, 4, 2), (16, 64, 32, 4, 2), (32, 32, 16, 4, 2), (16, 64, 16, 4, 2))
 ]
 INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+BIAS_INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BAND_TILES": 2}, num_warps=4, num_stages=2)
 TUNING_KEY = ["DQK", "length_class"]  # length_class: max_seq_len's power of two
 BIAS_TUNING_KEY = ["HEADS", "length_class"]
 
@@ -117,22 +121,58 @@ def _dq_kernel(
 
 
 @triton.jit
-def _bias_grad_tile(
-    ds_ptr, b, rows, row_live, t_rows, n0, timestamps_ptr, start, t0, n, history_end, position_grad_ptr, time_grad_ptr,
-    edges_ptr, max_seq_len, num_buckets, context_len, tile_bucket, threshold, MASKED: tl.constexpr,
-    TWO_BUCKETS: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _band_tile(
+    acc, ds_ptr, b, r0, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr, thresholds_ptr, ext_ptr,
+    entry, max_seq_len, num_buckets, context_len, MASKED: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    cols = n0 + tl.arange(0, BLOCK_N)
+    """acc plus the heads' dS of rows r0 .. r0 + BLOCK_M - 1 against keys r0 + o .. r0 + o
+    + BLOCK_N - 1 (those below 0 not counted), whose time gradient it adds: two sums where
+    TWO_BUCKET_TILES and the tile is unmasked and its gaps span two buckets at most
+    (time_buckets.py), else runs of equal buckets along each row (bias_grads.py)."""
+    rows, row_live, t_rows = _block_times(timestamps_ptr, start, t0, r0, n, BLOCK_M)
+    cols = r0 + o + tl.arange(0, BLOCK_N)
     counted = _counted(rows, row_live, cols, n, history_end, context_len, MASKED)
+    if MASKED:
+        counted &= (cols >= 0)[None, :]
     ds = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for h in tl.static_range(HEADS):  # (unrolled: the heads' loads issue together)
         ds += tl.load(_score_grads_at(ds_ptr, b, h, HEADS, rows, cols, max_seq_len), mask=counted, other=0.0).to(tl.float32)
-    t_cols = (tl.load(timestamps_ptr + start + cols, mask=cols < n, other=t0) - t0).to(tl.float64)
-    rel, bucket = _pair_buckets(rows, cols, t_rows, t_cols, max_seq_len, edges_ptr, num_buckets, threshold, TWO_BUCKETS)
-    _add_bias_grads(
-        position_grad_ptr, time_grad_ptr, ds, rel, bucket, counted, rows, cols, t_rows, n0, timestamps_ptr, start, t0, n,
-        history_end, context_len, edges_ptr, num_buckets, tile_bucket, MASKED, TWO_BUCKETS, BLOCK_N,
-    )
+    t_cols = (tl.load(timestamps_ptr + start + cols, mask=(cols >= 0) & (cols < n), other=t0) - t0).to(tl.float64)
+    gap = tl.abs(t_rows[:, None] - t_cols[None, :])
+    two = False
+    tile_bucket = 0
+    if TWO_BUCKET_TILES and not MASKED:  # (from the extremes of the rows' and keys' blocks)
+        lo, hi = _rows_extremes(ext_ptr, entry, r0, tl.minimum(r0 + BLOCK_M, n) - 1, BLOCK_M)
+        k_lo, k_hi = _rows_extremes(ext_ptr, entry, r0 + o, r0 + o + BLOCK_N - 1, BLOCK_N)
+        least, most = _distances(lo, hi, k_lo, k_hi)
+        tile_bucket = _gap_bucket(least, edges_ptr, num_buckets)
+        two = _gap_bucket(most, edges_ptr, num_buckets) - tile_bucket <= 1
+    if two:
+        _add_time_grads(
+            time_grad_ptr, ds, gap >= tl.load(thresholds_ptr + tile_bucket + 1), counted, rows, cols, t_rows, r0 + o,
+            timestamps_ptr, start, t0, n, history_end, context_len, edges_ptr, num_buckets, tile_bucket, MASKED, True,
+            BLOCK_N,
+        )
+    else:
+        _add_time_grads(
+            time_grad_ptr, ds, _gap_bucket(gap, edges_ptr, num_buckets), counted, rows, cols, t_rows, r0 + o,
+            timestamps_ptr, start, t0, n, history_end, context_len, edges_ptr, num_buckets, 0, MASKED, False, BLOCK_N,
+        )
+    return acc + ds
+
+
+def band_grid(max_seq_len: int, sequences: int, context: bool):
+    """The bias-gradient kernel's grid: (bands × chunks of BAND_TILES row blocks, sequences),
+    where a band is the tiles whose keys start a fixed offset o from their rows, o a
+    multiple of BLOCK_N from that of a sequence's last row block's first key to 0 (the
+    diagonal), and past 0 to max_seq_len where a context prefix attends to later keys."""
+    def grid(meta):
+        m, n = meta["BLOCK_M"], meta["BLOCK_N"]
+        blocks = cdiv(max_seq_len, m)
+        bands = cdiv((blocks - 1) * m, n) + 1 + (cdiv(max_seq_len, n) if context else 0)
+        return bands * cdiv(blocks, meta["BAND_TILES"]), sequences
+    return grid
 
 
 @triton.jit
@@ -140,44 +180,64 @@ def _bias_grads_kernel(
     ds_ptr, offsets_ptr, timestamps_ptr, targets_ptr, edges_ptr, position_grad_ptr, time_grad_ptr, thresholds_ptr,
     ext_ptr, ext_blocks, max_seq_len, num_buckets, context_len, length_class, HAS_TARGETS: tl.constexpr,
     TWO_BUCKET_TILES: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BAND_TILES: tl.constexpr,
 ):
-    """The biases' gradients from a block of query rows of one sequence, every head's dS
-    summed per pair; the tiles in the recomputing dQ kernel's three loops (two buckets at
-    most, the rest unmasked, masked)."""
-    m0, _, b, start, n, history_end, t0 = _program_block(offsets_ptr, targets_ptr, timestamps_ptr, 1, BLOCK_M, HAS_TARGETS)
-    if m0 >= n:
+    """The biases' gradients from up to BAND_TILES tiles of one band (band_grid) of one
+    sequence, every head's dS summed per pair. The tiles of a band hold the same position
+    indices at the same places (key less row), so their dS is summed in registers and the
+    position gradient takes one atomic add per pair of the band's tile, not of each tile;
+    the time gradient is added tile by tile (_band_tile)."""
+    b = tl.program_id(1)
+    start, n, history_end, t0 = _sequence(offsets_ptr, targets_ptr, timestamps_ptr, b, HAS_TARGETS)
+    blocks = tl.cdiv(max_seq_len, BLOCK_M)
+    chunks = tl.cdiv(blocks, BAND_TILES)
+    o = (tl.program_id(0) // chunks - tl.cdiv((blocks - 1) * BLOCK_M, BLOCK_N)) * BLOCK_N  # the band's key offset
+    first = tl.program_id(0) % chunks * BAND_TILES
+    last = tl.minimum(first + BAND_TILES, tl.cdiv(n, BLOCK_M))
+    # past the diagonal band only the context's rows attend
+    last = tl.where(o > 0, tl.minimum(last, tl.cdiv(context_len, BLOCK_M)), last)
+    below = tl.maximum(-o, 0)  # (rows r0 from which every key is 0 or more)
+    first = tl.maximum(first, tl.cdiv(tl.maximum(below - BLOCK_N + 1, 0), BLOCK_M))  # (a key at 0 or more)
+    if first >= last:
         return
-    rows, row_live, t_rows = _block_times(timestamps_ptr, start, t0, m0, n, BLOCK_M)
     copy = _bias_grad_copy(max_seq_len, num_buckets)
-    position_grad_ptr += copy
     time_grad_ptr += copy
-    full, end = _key_ranges(m0, n, history_end, context_len, BLOCK_M, BLOCK_N)
-    split, lo, hi, entry = _two_bucket_run(
-        ext_ptr, ext_blocks, b, t_rows, row_live, 0, full, edges_ptr, num_buckets, BLOCK_N, True, TWO_BUCKET_TILES,
-    )
-    if TWO_BUCKET_TILES:
-        for n0 in range(0, split, BLOCK_N):
-            k_lo, k_hi = _tile_extremes(ext_ptr, entry, n0, BLOCK_N)
-            tile_bucket, threshold = _tile_bucket(k_lo, k_hi, lo, hi, thresholds_ptr, edges_ptr, num_buckets)
-            _bias_grad_tile(
-                ds_ptr, b, rows, row_live, t_rows, n0, timestamps_ptr, start, t0, n, history_end, position_grad_ptr,
-                time_grad_ptr, edges_ptr, max_seq_len, num_buckets, context_len, tile_bucket, threshold, False, True, HEADS,
-                BLOCK_M, BLOCK_N,
-            )
-    for n0 in range(split, full, BLOCK_N):
-        _bias_grad_tile(
-            ds_ptr, b, rows, row_live, t_rows, n0, timestamps_ptr, start, t0, n, history_end, position_grad_ptr,
-            time_grad_ptr, edges_ptr, max_seq_len, num_buckets, context_len, 0, 0.0, False, False, HEADS, BLOCK_M, BLOCK_N,
+    # the unmasked tiles: below the diagonal, every key in the history (which every row
+    # attends to up to itself, targets and context rows too), none below 0
+    spare = history_end - o - BLOCK_N  # (rows r0 up to which the keys end in the history)
+    full_first = tl.minimum(tl.maximum(first, tl.cdiv(below, BLOCK_M)), last)
+    full_last = tl.maximum(tl.minimum(last, tl.where(spare >= 0, spare // BLOCK_M + 1, 0)), full_first)
+    if o + BLOCK_N - 1 > 0:
+        full_first = last
+        full_last = last
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r in range(first, full_first):
+        acc = _band_tile(
+            acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
+            thresholds_ptr, ext_ptr, b * ext_blocks, max_seq_len, num_buckets, context_len, True, False, HEADS, BLOCK_M,
+            BLOCK_N,
         )
-    for n0 in range(full, end, BLOCK_N):
-        _bias_grad_tile(
-            ds_ptr, b, rows, row_live, t_rows, n0, timestamps_ptr, start, t0, n, history_end, position_grad_ptr,
-            time_grad_ptr, edges_ptr, max_seq_len, num_buckets, context_len, 0, 0.0, True, False, HEADS, BLOCK_M, BLOCK_N,
+    for r in range(full_first, full_last):
+        acc = _band_tile(
+            acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
+            thresholds_ptr, ext_ptr, b * ext_blocks, max_seq_len, num_buckets, context_len, False, TWO_BUCKET_TILES, HEADS,
+            BLOCK_M, BLOCK_N,
         )
+    for r in range(full_last, last):
+        acc = _band_tile(
+            acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
+            thresholds_ptr, ext_ptr, b * ext_blocks, max_seq_len, num_buckets, context_len, True, False, HEADS, BLOCK_M,
+            BLOCK_N,
+        )
+    # each pair of the band's tile: key less row o + column - row, as j - i + max_seq_len - 1
+    rel = (max_seq_len - 1 + o) + tl.arange(0, BLOCK_N)[None, :] - tl.arange(0, BLOCK_M)[:, None]
+    in_table = (rel >= 0) & (rel < 2 * max_seq_len - 1)
+    tl.atomic_add(position_grad_ptr + copy + rel, acc, mask=(acc != 0.0) & in_table, sem="relaxed")
 
 
 _dq = TunedLaunches(autotuned(_dq_kernel, DQ_CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
 # (adds into the biases' gradients: zeroed before each trial)
 _bias_grads = TunedLaunches(autotuned(
-    _bias_grads_kernel, BIAS_CONFIGS, INTERPRETER_CONFIG, BIAS_TUNING_KEY, reset_to_zero=["position_grad_ptr", "time_grad_ptr"]
+    _bias_grads_kernel, BIAS_CONFIGS, BIAS_INTERPRETER_CONFIG, BIAS_TUNING_KEY,
+    reset_to_zero=["position_grad_ptr", "time_grad_ptr"],
 ))

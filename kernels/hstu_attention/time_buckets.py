@@ -172,6 +172,20 @@ def _tile_extremes(ext_ptr, entry, first, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _rows_extremes(ext_ptr, entry, first, last, BLOCK: tl.constexpr):
+    """(least, greatest) timestamp of the blocks that hold rows first .. last (at most
+    BLOCK rows, first >= 0) of the sequence whose extremes start at entry `entry`."""
+    at = first // EXTREMES_BLOCK
+    lo = tl.load(ext_ptr + (entry + at) * 2)
+    hi = tl.load(ext_ptr + (entry + at) * 2 + 1)
+    for s in tl.static_range(1, (BLOCK - 1) // EXTREMES_BLOCK + 2):  # (the blocks BLOCK rows may meet)
+        live = at + s <= last // EXTREMES_BLOCK
+        lo = tl.minimum(lo, tl.load(ext_ptr + (entry + at + s) * 2, mask=live, other=float("inf")))
+        hi = tl.maximum(hi, tl.load(ext_ptr + (entry + at + s) * 2 + 1, mask=live, other=float("-inf")))
+    return lo, hi
+
+
+@triton.jit
 def _tile_bucket(b_lo, b_hi, lo, hi, thresholds_ptr, edges_ptr, num_buckets):
     """For the tile of a block whose timestamps lie in [b_lo, b_hi] (_tile_extremes) against
     rows whose timestamps lie in [lo, hi], a tile that spans two buckets at most

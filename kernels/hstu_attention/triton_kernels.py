@@ -374,7 +374,7 @@ def _launch_bias_grads(
 ) -> None:
     """Adds into the copies position_grad and time_grad (views of the rows of one tensor)."""
     score_grads._bias_grads(
-        lambda meta: (cdiv(max_seq_len, meta["BLOCK_M"]), offsets.numel() - 1),
+        score_grads.band_grid(max_seq_len, offsets.numel() - 1, context_len > 0),
         (ds, offsets, timestamps, num_targets if num_targets is not None else offsets, tables[0], position_grad,
          time_grad, *tables[1:], max_seq_len, num_buckets, context_len, next_power_of_2(max_seq_len)),
         dict(HAS_TARGETS=num_targets is not None, TWO_BUCKET_TILES=_two_bucket_tiles(max_seq_len), HEADS=ds.shape[1]),
