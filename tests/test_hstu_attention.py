@@ -2,6 +2,7 @@
 a CPU, at full size on a GPU), and the twin's masks and gradients on their own."""
 import pytest
 import torch
+import triton
 from triton.runtime.errors import OutOfResources
 
 from kernels.hstu_attention import allowed_pairs, attention_kernels, hstu_attention, reference, score_grads, time_buckets, triton_kernels
@@ -443,11 +444,17 @@ def test_dq_and_bias_grads_from_score_grads_match_the_twins(monkeypatch, dtype, 
         assert g.dtype == torch.float32 and g.shape == w.shape and close(g, w, 2e-5)
 
 
-@pytest.mark.parametrize("context_len", [0, 40])
-def test_bias_grads_of_blocks_of_targets_match_the_twin(context_len):
+# the interpreter's tiling, and blocks of fewer rows than keys (as the GPU's tilings): the
+# tiles of a band then share key blocks with the tiles before them
+BAND_TILINGS = [None, triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BAND_TILES": 2}, num_warps=4, num_stages=2)]
+
+
+@pytest.mark.parametrize("tiling", BAND_TILINGS, ids=["interpreter", "16x32x2"])
+@pytest.mark.parametrize("context_len", [0, 3, 40])
+def test_bias_grads_of_blocks_of_targets_match_the_twin(context_len, tiling):
     """bias_grads_from_score_grads where whole blocks of rows are targets (which attend to
-    the history and themselves) and a long context prefix attends to every key of the
-    history, every entry of ds a row does not attend to NaN."""
+    the history and themselves) and a context prefix, shorter than a block or not, attends
+    to every key of the history, every entry of ds a row does not attend to NaN."""
     lengths, targets = [150, 97, 64, 130], [70, 33, 0, 129]
     max_seq_len, heads = 160, 2
     gen = torch.Generator().manual_seed(5)
@@ -458,7 +465,15 @@ def test_bias_grads_of_blocks_of_targets_match_the_twin(context_len):
         attended = reference.allowed_pairs(n, t, context_len, "cpu")
         ds[b, :, :n, :n] = torch.where(attended, torch.randn(heads, n, n, generator=gen), float("nan"))
     args = (offsets.to(DEVICE), stamps.to(DEVICE), max_seq_len, NUM_BUCKETS, torch.tensor(targets).to(DEVICE), context_len)
-    got = triton_kernels.bias_grads_from_score_grads(ds.to(DEVICE, torch.float16), *args)
+    tuned, configs = score_grads._bias_grads, score_grads._bias_grads.tuner.configs
+    if tiling is not None:
+        tuned.tuner.configs = [tiling]
+        tuned.forget()
+    try:
+        got = triton_kernels.bias_grads_from_score_grads(ds.to(DEVICE, torch.float16), *args)
+    finally:
+        tuned.tuner.configs = configs
+        tuned.forget()
     want = reference.bias_grads_from_score_grads(ds.to(DEVICE, torch.float16), *args)
     for g, w in zip(got, want):
         assert close(g, w, 2e-5)

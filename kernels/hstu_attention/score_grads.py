@@ -48,7 +48,7 @@ BIAS_CONFIGS = [
     for m, n, t, w, st in ((16, 32, 16, 4, 2), (16, 64, 32, 4, 2), (32, 32, 16, 4, 2), (16, 64, 16, 4, 2))
 ]
 INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
-BIAS_INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BAND_TILES": 2}, num_warps=4, num_stages=2)
+BIAS_INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BAND_TILES": 2}, num_warps=4, num_stages=2)
 TUNING_KEY = ["DQK", "length_class"]  # length_class: max_seq_len's power of two
 BIAS_TUNING_KEY = ["HEADS", "length_class"]
 
