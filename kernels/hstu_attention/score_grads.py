@@ -201,6 +201,7 @@ def _bias_grads_kernel(
     if first >= last:
         return
     copy = _bias_grad_copy(max_seq_len, num_buckets)
+    position_grad_ptr += copy
     time_grad_ptr += copy
     # the unmasked tiles: below the diagonal, every key in the history (which every row
     # attends to up to itself, targets and context rows too), none below 0
@@ -232,7 +233,7 @@ def _bias_grads_kernel(
     # each pair of the band's tile: key less row o + column - row, as j - i + max_seq_len - 1
     rel = (max_seq_len - 1 + o) + tl.arange(0, BLOCK_N)[None, :] - tl.arange(0, BLOCK_M)[:, None]
     in_table = (rel >= 0) & (rel < 2 * max_seq_len - 1)
-    tl.atomic_add(position_grad_ptr + copy + rel, acc, mask=(acc != 0.0) & in_table, sem="relaxed")
+    tl.atomic_add(position_grad_ptr + rel, acc, mask=(acc != 0.0) & in_table, sem="relaxed")
 
 
 _dq = TunedLaunches(autotuned(_dq_kernel, DQ_CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
