@@ -13,23 +13,61 @@ from test_hstu_attention import DEVICE, LENGTHS, NUM_BUCKETS, SCALE, TOLERANCE
 pytestmark = pytest.mark.usefixtures("poisoned_memory")  # (conftest.py)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 0), (True, 3)])
-def test_pair_biases_match_the_twin_where_rows_attend(dtype, targets, context_len):
-    """The forward's prepass (bias_tiles.pair_biases) against its twin on every pair a row
-    attends to (the buffer comes NaN-filled: an attended pair left unwritten fails)."""
-    lengths = [n * SCALE for n in [5, 0, 33, 1, 64, 70, 17, 130]]
-    max_seq_len = max(lengths) + 3
-    tensors, offsets, num_targets = base.case(7, lengths, 1, 16, 16, max_seq_len, dtype, targets)
-    edges = triton_kernels._bucket_tables(NUM_BUCKETS, torch.device(DEVICE))[0]
-    args = (offsets, tensors["timestamps"], tensors["position_bias"].detach(), tensors["time_bias"].detach(), max_seq_len, edges,
-            dtype, num_targets, context_len)
+def _assert_attended_pairs_match(offsets, timestamps, position_bias, time_bias, max_seq_len, dtype, num_targets, context_len):
+    """The prepass (bias_tiles.pair_biases) against its twin on every pair a row attends to
+    (the buffer comes NaN-filled: an attended pair left unwritten fails), with the tiles
+    of two buckets at most run where the length allows (triton_kernels._time_tables)."""
+    tables = triton_kernels._time_tables(NUM_BUCKETS, offsets, timestamps, max_seq_len)
+    args = (offsets, timestamps, position_bias, time_bias, max_seq_len, tables, dtype, num_targets, context_len)
     got, want = bias_tiles.pair_biases(*args), reference.pair_biases(*args)
     assert got.shape == want.shape and got.dtype == want.dtype == dtype
     for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         n = end - start
-        attended = allowed_pairs(n, int(num_targets[b]) if targets else 0, context_len, DEVICE)
+        attended = allowed_pairs(n, int(num_targets[b]) if num_targets is not None else 0, context_len, DEVICE)
         assert torch.equal(got[b, :n, :n][attended], want[b, :n, :n][attended]), b
+
+
+@pytest.mark.parametrize("two_buckets", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("targets,context_len", [(False, 0), (True, 0), (True, 3)])
+def test_pair_biases_match_the_twin_where_rows_attend(monkeypatch, two_buckets, dtype, targets, context_len):
+    """Sequences of odd and empty lengths, gaps from seconds to years; with and without
+    the tiles of two buckets at most."""
+    monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0 if two_buckets else 1 << 30)
+    lengths = [n * SCALE for n in [5, 0, 33, 1, 64, 70, 17, 130]]
+    max_seq_len = max(lengths) + 3
+    tensors, offsets, num_targets = base.case(7, lengths, 1, 16, 16, max_seq_len, dtype, targets)
+    _assert_attended_pairs_match(
+        offsets, tensors["timestamps"], tensors["position_bias"].detach(), tensors["time_bias"].detach(), max_seq_len, dtype,
+        num_targets if targets else None, context_len,
+    )
+
+
+@pytest.mark.parametrize("targets", [False, True])
+def test_pair_biases_of_tiles_of_one_two_and_three_buckets_match_the_twin(monkeypatch, targets):
+    """Sequences whose second half starts a jump after the first, placed inside a bucket
+    or just below an edge (tiles across the jump span one or two buckets), and evenly
+    spaced ones (a tile two blocks below the diagonal spans three, which must not be
+    taken for two): every attended pair equals the twin's."""
+    monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0)
+    edges = torch.tensor(reference.time_bucket_edges(NUM_BUCKETS), dtype=torch.float32).tolist()
+    gen = torch.Generator().manual_seed(3)
+    n = 256
+    stamps = []
+    for jump in [int(edges[b]) - 300 for b in (40, 80, 120)] + [int(1.15 * edges[b]) for b in (50, 110)]:
+        steps = torch.randint(0, 4, (n,), generator=gen)
+        steps[n // 2] += jump
+        stamps.append(torch.cumsum(steps, 0))
+    for step in (7, 13, 29):
+        stamps.append(step * torch.arange(n))
+    spans = {int(reference.time_buckets(s, NUM_BUCKETS)[192:, :64].unique().numel()) for s in stamps}
+    assert {1, 2, 3} <= spans, spans  # (the tiles of the last row block against the first key block)
+    offsets = torch.arange(0, n * len(stamps) + 1, n).to(DEVICE)
+    num_targets = torch.randint(0, 5, (len(stamps),), generator=gen).to(DEVICE) if targets else None
+    _assert_attended_pairs_match(
+        offsets, torch.cat(stamps).to(DEVICE), torch.randn(2 * n - 1, generator=gen).to(DEVICE),
+        torch.randn(NUM_BUCKETS + 1, generator=gen).to(DEVICE), n, torch.float32, num_targets, 0,
+    )
 
 
 def test_rows_by_descriptor_only_where_a_descriptor_reads_them(monkeypatch):

@@ -159,13 +159,12 @@ def bias_grads_from_score_grads(
 
 def pair_biases(
     offsets: torch.Tensor, timestamps: torch.Tensor, position_bias: torch.Tensor, time_bias: torch.Tensor,
-    max_seq_len: int, edges: torch.Tensor, dtype: torch.dtype, num_targets: torch.Tensor | None = None,
-    context_len: int = 0,
+    max_seq_len: int, tables: tuple, dtype: torch.dtype, num_targets: torch.Tensor | None = None, context_len: int = 0,
 ) -> torch.Tensor:
     """(sequences, max_seq_len, max_seq_len rounded up to 8) of dtype: position_bias[j - i]
     + time_bias[bucket(|t_i - t_j|)] of every pair (i, j) of each sequence, in float32 then
     rounded to dtype, the rest 0. The twin of bias_tiles.pair_biases, which writes the
-    pairs its readers attend to (and may leave others unwritten); edges, num_targets and
+    pairs its readers attend to (and may leave others unwritten); tables, num_targets and
     context_len do not change the values."""
     row = -(-max_seq_len // 8) * 8
     out = torch.zeros(offsets.numel() - 1, max_seq_len, row, dtype=dtype, device=offsets.device)

@@ -170,11 +170,12 @@ def attention_forward(
     if out.numel() and programs:
         num_buckets = time_bias.numel() - 1
         tiled = _pair_bias_tiles(offsets.numel() - 1, max_seq_len, q.dtype, q.device)
+        # (the two-bucket tiles run in the prepass where the biases come from it, else in the forward)
         two_buckets = not tiled and _two_bucket_tiles(max_seq_len)
-        tables = _time_tables(num_buckets, offsets, timestamps, max_seq_len, two_buckets)
+        tables = _time_tables(num_buckets, offsets, timestamps, max_seq_len)
         biases, by_descriptor = position_bias, False  # (unread without the tiles)
         if tiled:
-            biases = pair_biases(offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], q.dtype, num_targets, context_len)
+            biases = pair_biases(offsets, timestamps, position_bias, time_bias, max_seq_len, tables, q.dtype, num_targets, context_len)
             by_descriptor = _descriptor_stores(q.device)
             if by_descriptor and q.is_cuda:  # (the descriptors' scratch, as the backward's)
                 triton.set_allocator(_descriptor_scratch)
@@ -260,7 +261,7 @@ def hstu_attention_backward(
                 if tiled and kept_biases is not None:  # (a chunk's sequences' blocks: a view)
                     biases = kept_biases[first:first + part_offsets.numel() - 1]
                 elif tiled:
-                    biases = pair_biases(part_offsets, timestamps, position_bias, time_bias, max_seq_len, tables[0], q.dtype,
+                    biases = pair_biases(part_offsets, timestamps, position_bias, time_bias, max_seq_len, part_tables, q.dtype,
                                          part_targets, context_len)
                 _backward_kv(
                     _grid("BLOCK_N", (part_offsets.numel() - 1) * heads, max_seq_len),
