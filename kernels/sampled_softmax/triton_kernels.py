@@ -29,7 +29,9 @@ def _block(logits_ptr, key_ids_ptr, row_at, row_id, row_live, n0, N, BLOCK_N: tl
     ids = tl.load(key_ids_ptr + cols, mask=col_live, other=0)
     kept = row_live[:, None] & col_live[None, :] & (ids[None, :] != row_id[:, None])
     at = row_at[:, None] + cols[None, :]
-    x = tl.load(at, mask=kept, other=0.0).to(tl.float32)
+    # (loaded by rows and columns, the row's own id masked after: a mask per pair is not
+    # constant over a vector, which makes one 2-byte load per logit)
+    x = tl.load(at, mask=row_live[:, None] & col_live[None, :], other=0.0).to(tl.float32)
     return at, col_live, kept, tl.where(kept, x, -float("inf"))
 
 
