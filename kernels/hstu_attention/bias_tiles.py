@@ -11,7 +11,8 @@ last attended key (tiles._key_ranges): every pair a row attends to. Entries a re
 tile holds that no row attends to (above the diagonal, the targets' other targets) may be
 unwritten: the readers mask those pairs with tl.where before any product, which a NaN
 there does not pass. Rows and columns past a sequence's end are never read as values (a
-descriptor reads them as zeros; the pointer load masks them).
+descriptor reads them as zeros; the pointer load masks them), so the prepass writes a
+tile's columns up to the row's end, which keeps its stores vectors.
 
 The buffer is (sequences, max_seq_len, score_grads_row_length(max_seq_len)), the stored
 dS's layout with one head: a descriptor's rows start 16 bytes apart. Its dtype is the
@@ -27,8 +28,9 @@ from .score_grads import _row_length, score_grads_row_length
 from .tiles import _biases, _block_times, _key_ranges, _program_block, _two_bucket_run
 from .time_buckets import _tile_buckets, _tile_extremes
 
-# few rows a program: the per-pair work keeps about five registers a pair live, so a
-# thread with fewer pairs leaves room for more warps to hide the gathers' latency
+# few rows a program (8 or 16): fewer pairs a thread, so more warps an SM to hide the
+# per-pair work and the loads; the fastest tilings when each was timed alone
+# (benchmarks/hstu_attention.md, "The prepass's stores as vectors")
 CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
     for m, n, w, st in ((16, 64, 4, 2), (16, 128, 4, 2), (8, 256, 4, 2), (8, 128, 2, 2))
