@@ -460,23 +460,60 @@ def test_bias_grads_of_blocks_of_targets_match_the_twin(context_len, tiling):
     gen = torch.Generator().manual_seed(5)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     stamps = torch.cumsum(torch.exp(torch.rand(sum(lengths), generator=gen) * 12).long(), 0)
+    ds = attended_score_grads(lengths, targets, context_len, heads, max_seq_len, gen)
+    args = (offsets.to(DEVICE), stamps.to(DEVICE), max_seq_len, NUM_BUCKETS, torch.tensor(targets).to(DEVICE), context_len)
+    assert bias_grads_match_the_twin(ds, args, tiling)
+
+
+def attended_score_grads(lengths, targets, context_len, heads, max_seq_len, gen):
+    """(sequences, heads, max_seq_len, max_seq_len) float16 dS, random where a row attends
+    (reference.allowed_pairs), NaN elsewhere."""
     ds = torch.full((len(lengths), heads, max_seq_len, max_seq_len), float("nan"))
     for b, (n, t) in enumerate(zip(lengths, targets)):
         attended = reference.allowed_pairs(n, t, context_len, "cpu")
         ds[b, :, :n, :n] = torch.where(attended, torch.randn(heads, n, n, generator=gen), float("nan"))
-    args = (offsets.to(DEVICE), stamps.to(DEVICE), max_seq_len, NUM_BUCKETS, torch.tensor(targets).to(DEVICE), context_len)
+    return ds.to(DEVICE, torch.float16)
+
+
+def bias_grads_match_the_twin(ds, args, tiling) -> bool:
+    """Whether bias_grads_from_score_grads(ds, *args) at tiling (None: the tuner's own
+    configurations) is within 2e-5 of the twin's."""
     tuned, configs = score_grads._bias_grads, score_grads._bias_grads.tuner.configs
     if tiling is not None:
         tuned.tuner.configs = [tiling]
         tuned.forget()
     try:
-        got = triton_kernels.bias_grads_from_score_grads(ds.to(DEVICE, torch.float16), *args)
+        got = triton_kernels.bias_grads_from_score_grads(ds, *args)
     finally:
         tuned.tuner.configs = configs
         tuned.forget()
-    want = reference.bias_grads_from_score_grads(ds.to(DEVICE, torch.float16), *args)
-    for g, w in zip(got, want):
-        assert close(g, w, 2e-5)
+    want = reference.bias_grads_from_score_grads(ds, *args)
+    return all(close(g, w, 2e-5) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("tiling", [
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BAND_TILES": 16}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BAND_TILES": 8}, num_warps=4, num_stages=2),
+], ids=["16x32x16", "32x32x8"])
+def test_bias_grads_of_long_bands_of_changing_buckets_match_the_twin(monkeypatch, tiling):
+    """bias_grads_from_score_grads with the tiles of two time buckets on, at tilings whose
+    programs walk many tiles of a band (the GPU's): timestamps evenly spaced (a band's
+    buckets stay the same along it), spaced ever wider (they change every tile or two),
+    and spaced at random, so that a program's run of unmasked tiles holds tiles of the
+    same lower bucket in a row, changes of bucket, and tiles of three buckets or more
+    between them; every entry of ds a row does not attend to NaN."""
+    monkeypatch.setattr(triton_kernels, "TWO_BUCKET_MIN_LENGTH", 0)
+    gen = torch.Generator().manual_seed(6)
+    lengths, max_seq_len, heads = [512, 480, 300], 512, 2
+    steps = [torch.full((512,), 7), (5 * 1.015 ** torch.arange(480)).round().long(),
+             torch.exp(torch.rand(300, generator=gen) * 8).long() + 1]
+    stamps = torch.cat([torch.cumsum(s, 0) for s in steps])
+    # the case the test is for: along a band far from the diagonal the buckets change
+    widening = time_buckets(torch.cumsum(steps[1], 0)[None], NUM_BUCKETS)[0]
+    assert len({int(widening[r, r - 256]) for r in range(256, 480, 16)}) > 3
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ds = attended_score_grads(lengths, [0] * len(lengths), 0, heads, max_seq_len, gen)
+    assert bias_grads_match_the_twin(ds, (offsets.to(DEVICE), stamps.to(DEVICE), max_seq_len, NUM_BUCKETS), tiling)
 
 
 def test_the_score_grads_buffer_takes_at_most_a_share_of_the_gpus_memory(monkeypatch):

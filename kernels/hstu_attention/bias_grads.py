@@ -1,10 +1,11 @@
 """How the attention's backward kernels add a tile's score gradients (dS) into the two bias
 tables' gradients: the position gradient by one atomic add per pair at its index (the
 stored-dS kernel first sums the tiles of a band, score_grads.py), the time gradient by two
-sums per tile where the tile spans two buckets at most, else by runs of equal buckets
-along each row. Both go into BIAS_GRAD_COPIES copies of each table, a program
-into copy (its linear id mod BIAS_GRAD_COPIES), summed after the launch: with one copy,
-programs adding at the same positions or buckets at once wait on each other's adds."""
+sums per tile where the tile spans two buckets at most (the stored-dS kernel sums a run
+of such tiles of the same buckets first), else by runs of equal buckets along each row.
+Both go into BIAS_GRAD_COPIES copies of each table, a program into copy (its linear id
+mod BIAS_GRAD_COPIES), summed after the launch: with one copy, programs adding at the
+same positions or buckets at once wait on each other's adds."""
 import triton
 import triton.language as tl
 
@@ -38,13 +39,21 @@ def _add_time_grads_by_runs(grad_ptr, ds, bucket, next_bucket):
 
 
 @triton.jit
+def _add_bucket_pair_sums(grad_ptr, low, high, bucket, num_buckets):
+    """Adds the sum of tile `low` into grad_ptr at `bucket` and that of `high` at `bucket` +
+    1 (none where bucket < 0): summed along rows within each warp, then across warps in
+    one reduction."""
+    sums = tl.sum(tl.join(tl.sum(low, axis=1), tl.sum(high, axis=1)), axis=0)
+    at = bucket + tl.arange(0, 2)
+    # (not `(bucket >= 0) & ...`: Triton's interpreter gives a tensor `&` a scalar an integer type, no mask)
+    tl.atomic_add(grad_ptr + at, sums, mask=tl.where(bucket >= 0, at <= num_buckets, False), sem="relaxed")
+
+
+@triton.jit
 def _add_two_bucket_grads(grad_ptr, ds, upper, bucket, num_buckets):
     """Adds the sums of ds over a tile's pairs of bucket `bucket` and of `bucket` + 1
-    (upper) into grad_ptr: summed along rows within each warp, then across warps in one
-    reduction."""
-    sums = tl.sum(tl.join(tl.sum(tl.where(upper, 0.0, ds), axis=1), tl.sum(tl.where(upper, ds, 0.0), axis=1)), axis=0)
-    at = bucket + tl.arange(0, 2)
-    tl.atomic_add(grad_ptr + at, sums, mask=at <= num_buckets, sem="relaxed")
+    (upper) into grad_ptr."""
+    _add_bucket_pair_sums(grad_ptr, tl.where(upper, 0.0, ds), tl.where(upper, ds, 0.0), bucket, num_buckets)
 
 
 @triton.jit

@@ -10,7 +10,9 @@ padded to score_grads_row_length(max_seq_len) entries; from it
   Its programs walk bands of tiles (band_grid), each tile a block of rows further along
   the diagonal than the one before, so that every tile of a band holds the same position
   indices at the same places: a band's tiles are summed in registers and added into the
-  position gradient once, not an atomic add per pair and tile.
+  position gradient once, not an atomic add per pair and tile. Along a band the time
+  gaps change slowly: the buckets of a program's unmasked tiles are found together before
+  its loop, and its run of tiles of the same two buckets is summed in registers too.
 
 Only pairs a row attends to are written (tiles._allowed), and only those are read: the
 rest of the buffer is never touched. On GPUs with the Tensor Memory Accelerator (compute
@@ -31,7 +33,7 @@ import triton.language as tl
 
 from ..autotune import TunedLaunches, autotuned
 from ..launch import cdiv
-from .bias_grads import _add_time_grads, _bias_grad_copy
+from .bias_grads import _add_bucket_pair_sums, _add_time_grads, _bias_grad_copy
 from .tiles import _block_times, _counted, _head_rows, _key_ranges, _load_head_rows, _program_block, _sequence
 from .time_buckets import _distances, _gap_bucket, _rows_extremes
 
@@ -41,11 +43,12 @@ DQ_CONFIGS = [
     for m, n, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4))
 ]
 # the biases' gradients: per-pair sums over heads, buckets and atomic adds; no products.
-# Blocks of 16 rows: fewer pairs a thread, so more warps an SM wait on the loads and adds.
-# BAND_TILES: tiles a program sums before its position gradient's adds
+# BAND_TILES: tiles a program sums before its position gradient's adds. The fastest
+# tilings when each was timed alone (benchmarks/hstu_attention.md, "The bias gradients'
+# buckets per band"): 32 x 32 at length 4,096, 64 x 32 on 8 warps at 200
 BIAS_CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BAND_TILES": t}, num_warps=w, num_stages=st)
-    for m, n, t, w, st in ((16, 32, 16, 4, 2), (16, 64, 32, 4, 2), (32, 32, 16, 4, 2), (16, 64, 16, 4, 2))
+    for m, n, t, w, st in ((32, 32, 8, 4, 2), (32, 32, 4, 4, 2), (32, 32, 16, 4, 2), (64, 32, 16, 8, 2))
 ]
 INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
 BIAS_INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BAND_TILES": 2}, num_warps=4, num_stages=2)
@@ -121,15 +124,13 @@ def _dq_kernel(
 
 
 @triton.jit
-def _band_tile(
-    acc, ds_ptr, b, r0, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr, thresholds_ptr, ext_ptr,
-    entry, max_seq_len, num_buckets, context_len, MASKED: tl.constexpr, TWO_BUCKET_TILES: tl.constexpr, HEADS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _band_pairs(
+    ds_ptr, b, r0, o, timestamps_ptr, start, t0, n, history_end, max_seq_len, context_len, MASKED: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """acc plus the heads' dS of rows r0 .. r0 + BLOCK_M - 1 against keys r0 + o .. r0 + o
-    + BLOCK_N - 1 (those below 0 not counted), whose time gradient it adds: two sums where
-    TWO_BUCKET_TILES and the tile is unmasked and its gaps span two buckets at most
-    (time_buckets.py), else runs of equal buckets along each row (bias_grads.py)."""
+    """The tile of rows r0 .. r0 + BLOCK_M - 1 against keys r0 + o .. r0 + o + BLOCK_N - 1
+    (those below 0 not counted): (the heads' dS summed per pair, 0 where not counted, its
+    rows, its keys, which pairs count, the rows' timestamps, each pair's float64 gap)."""
     rows, row_live, t_rows = _block_times(timestamps_ptr, start, t0, r0, n, BLOCK_M)
     cols = r0 + o + tl.arange(0, BLOCK_N)
     counted = _counted(rows, row_live, cols, n, history_end, context_len, MASKED)
@@ -139,27 +140,87 @@ def _band_tile(
     for h in tl.static_range(HEADS):  # (unrolled: the heads' loads issue together)
         ds += tl.load(_score_grads_at(ds_ptr, b, h, HEADS, rows, cols, max_seq_len), mask=counted, other=0.0).to(tl.float32)
     t_cols = (tl.load(timestamps_ptr + start + cols, mask=(cols >= 0) & (cols < n), other=t0) - t0).to(tl.float64)
-    gap = tl.abs(t_rows[:, None] - t_cols[None, :])
-    two = False
-    tile_bucket = 0
-    if TWO_BUCKET_TILES and not MASKED:  # (from the extremes of the rows' and keys' blocks)
-        lo, hi = _rows_extremes(ext_ptr, entry, r0, tl.minimum(r0 + BLOCK_M, n) - 1, BLOCK_M)
-        k_lo, k_hi = _rows_extremes(ext_ptr, entry, r0 + o, r0 + o + BLOCK_N - 1, BLOCK_N)
-        least, most = _distances(lo, hi, k_lo, k_hi)
-        tile_bucket = _gap_bucket(least, edges_ptr, num_buckets)
-        two = _gap_bucket(most, edges_ptr, num_buckets) - tile_bucket <= 1
-    if two:
-        _add_time_grads(
-            time_grad_ptr, ds, gap >= tl.load(thresholds_ptr + tile_bucket + 1), counted, rows, cols, t_rows, r0 + o,
-            timestamps_ptr, start, t0, n, history_end, context_len, edges_ptr, num_buckets, tile_bucket, MASKED, True,
-            BLOCK_N,
-        )
-    else:
-        _add_time_grads(
-            time_grad_ptr, ds, _gap_bucket(gap, edges_ptr, num_buckets), counted, rows, cols, t_rows, r0 + o,
-            timestamps_ptr, start, t0, n, history_end, context_len, edges_ptr, num_buckets, 0, MASKED, False, BLOCK_N,
-        )
+    return ds, rows, cols, counted, t_rows, tl.abs(t_rows[:, None] - t_cols[None, :])
+
+
+@triton.jit
+def _band_tile(
+    acc, ds_ptr, b, r0, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr, max_seq_len, num_buckets,
+    context_len, MASKED: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """acc plus the heads' dS of a tile (_band_pairs), whose time gradient it adds by runs of
+    equal buckets along each row (bias_grads.py)."""
+    ds, rows, cols, counted, t_rows, gap = _band_pairs(
+        ds_ptr, b, r0, o, timestamps_ptr, start, t0, n, history_end, max_seq_len, context_len, MASKED, HEADS, BLOCK_M, BLOCK_N,
+    )
+    _add_time_grads(
+        time_grad_ptr, ds, _gap_bucket(gap, edges_ptr, num_buckets), counted, rows, cols, t_rows, r0 + o, timestamps_ptr,
+        start, t0, n, history_end, context_len, edges_ptr, num_buckets, 0, MASKED, False, BLOCK_N,
+    )
     return acc + ds
+
+
+@triton.jit
+def _band_buckets(
+    tiles, live, o, n, ext_ptr, entry, edges_ptr, thresholds_ptr, num_buckets, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """For the unmasked tiles of a band whose row blocks are `tiles` (where live), all at
+    once: (the lower bucket of each tile's gaps, whether they span two buckets at most,
+    the least whole gap of the bucket above), from the extremes of the rows' and the keys'
+    blocks (time_buckets.py)."""
+    r0 = tiles * BLOCK_M
+    lo, hi = _rows_extremes(ext_ptr, entry, r0, tl.minimum(r0 + BLOCK_M, n) - 1, live, BLOCK_M)
+    k_lo, k_hi = _rows_extremes(ext_ptr, entry, r0 + o, r0 + o + BLOCK_N - 1, live, BLOCK_N)
+    least, most = _distances(lo, hi, k_lo, k_hi)
+    bucket = tl.where(live, _gap_bucket(least, edges_ptr, num_buckets), 0)
+    two = live & (_gap_bucket(most, edges_ptr, num_buckets) - bucket <= 1)
+    return bucket, two, tl.load(thresholds_ptr + bucket + 1, mask=live, other=0.0)
+
+
+@triton.jit
+def _band_run(
+    acc, ds_ptr, b, first, last, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr, thresholds_ptr,
+    ext_ptr, entry, max_seq_len, num_buckets, context_len, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BAND_TILES: tl.constexpr,
+):
+    """acc plus the unmasked tiles of row blocks first .. last - 1 of a band (at most
+    BAND_TILES), whose time gradient it adds: each tile's buckets found before the loop
+    (_band_buckets, their loads issued together), and the tiles whose gaps span two
+    buckets at most summed in registers while their lower bucket stays the same, with two
+    atomic adds where it changes and at the end (along a band the gaps, and so the
+    buckets, change slowly); the other tiles by runs along each row (_band_tile)."""
+    tiles = first + tl.arange(0, BAND_TILES)
+    buckets, twos, thresholds = _band_buckets(
+        tiles, tiles < last, o, n, ext_ptr, entry, edges_ptr, thresholds_ptr, num_buckets, BLOCK_M, BLOCK_N,
+    )
+    run = -1  # the lower bucket of the tiles summed so far (none: -1)
+    low = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    high = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r in range(first, last):
+        this = tiles == r
+        two = tl.sum(tl.where(this, twos, False).to(tl.int32), axis=0) > 0
+        if two:
+            ds, _, _, _, _, gap = _band_pairs(
+                ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, max_seq_len, context_len, False, HEADS,
+                BLOCK_M, BLOCK_N,
+            )
+            bucket = tl.sum(tl.where(this, buckets, 0), axis=0)
+            if bucket != run:
+                _add_bucket_pair_sums(time_grad_ptr, low, high, run, num_buckets)
+                low = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                high = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                run = bucket
+            upper = gap >= tl.sum(tl.where(this, thresholds, 0.0), axis=0)
+            low += tl.where(upper, 0.0, ds)
+            high += tl.where(upper, ds, 0.0)
+            acc += ds
+        else:
+            acc = _band_tile(
+                acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
+                max_seq_len, num_buckets, context_len, False, HEADS, BLOCK_M, BLOCK_N,
+            )
+    _add_bucket_pair_sums(time_grad_ptr, low, high, run, num_buckets)
+    return acc
 
 
 def band_grid(max_seq_len: int, sequences: int, context: bool):
@@ -214,21 +275,25 @@ def _bias_grads_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r in range(first, full_first):
         acc = _band_tile(
-            acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
-            thresholds_ptr, ext_ptr, b * ext_blocks, max_seq_len, num_buckets, context_len, True, False, HEADS, BLOCK_M,
-            BLOCK_N,
+            acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr, max_seq_len,
+            num_buckets, context_len, True, HEADS, BLOCK_M, BLOCK_N,
         )
-    for r in range(full_first, full_last):
-        acc = _band_tile(
-            acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
-            thresholds_ptr, ext_ptr, b * ext_blocks, max_seq_len, num_buckets, context_len, False, TWO_BUCKET_TILES, HEADS,
-            BLOCK_M, BLOCK_N,
+    if TWO_BUCKET_TILES:
+        acc = _band_run(
+            acc, ds_ptr, b, full_first, full_last, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
+            thresholds_ptr, ext_ptr, b * ext_blocks, max_seq_len, num_buckets, context_len, HEADS, BLOCK_M, BLOCK_N,
+            BAND_TILES,
         )
+    else:
+        for r in range(full_first, full_last):
+            acc = _band_tile(
+                acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
+                max_seq_len, num_buckets, context_len, False, HEADS, BLOCK_M, BLOCK_N,
+            )
     for r in range(full_last, last):
         acc = _band_tile(
-            acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr,
-            thresholds_ptr, ext_ptr, b * ext_blocks, max_seq_len, num_buckets, context_len, True, False, HEADS, BLOCK_M,
-            BLOCK_N,
+            acc, ds_ptr, b, r * BLOCK_M, o, timestamps_ptr, start, t0, n, history_end, time_grad_ptr, edges_ptr, max_seq_len,
+            num_buckets, context_len, True, HEADS, BLOCK_M, BLOCK_N,
         )
     # each pair of the band's tile: key less row o + column - row, as j - i + max_seq_len - 1
     rel = (max_seq_len - 1 + o) + tl.arange(0, BLOCK_N)[None, :] - tl.arange(0, BLOCK_M)[:, None]

@@ -172,16 +172,17 @@ def _tile_extremes(ext_ptr, entry, first, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rows_extremes(ext_ptr, entry, first, last, BLOCK: tl.constexpr):
+def _rows_extremes(ext_ptr, entry, first, last, live, BLOCK: tl.constexpr):
     """(least, greatest) timestamp of the blocks that hold rows first .. last (at most
-    BLOCK rows, first >= 0) of the sequence whose extremes start at entry `entry`."""
+    BLOCK rows, first >= 0) of the sequence whose extremes start at entry `entry`, for
+    tensors first and last of such ranges, where live ((+inf, -inf) elsewhere)."""
     at = first // EXTREMES_BLOCK
-    lo = tl.load(ext_ptr + (entry + at) * 2)
-    hi = tl.load(ext_ptr + (entry + at) * 2 + 1)
+    lo = tl.load(ext_ptr + (entry + at) * 2, mask=live, other=float("inf"))
+    hi = tl.load(ext_ptr + (entry + at) * 2 + 1, mask=live, other=float("-inf"))
     for s in tl.static_range(1, (BLOCK - 1) // EXTREMES_BLOCK + 2):  # (the blocks BLOCK rows may meet)
-        live = at + s <= last // EXTREMES_BLOCK
-        lo = tl.minimum(lo, tl.load(ext_ptr + (entry + at + s) * 2, mask=live, other=float("inf")))
-        hi = tl.maximum(hi, tl.load(ext_ptr + (entry + at + s) * 2 + 1, mask=live, other=float("-inf")))
+        meets = live & (at + s <= last // EXTREMES_BLOCK)
+        lo = tl.minimum(lo, tl.load(ext_ptr + (entry + at + s) * 2, mask=meets, other=float("inf")))
+        hi = tl.maximum(hi, tl.load(ext_ptr + (entry + at + s) * 2 + 1, mask=meets, other=float("-inf")))
     return lo, hi
 
 
