@@ -108,16 +108,13 @@ def _bucket_tables(num_buckets: int, device: torch.device) -> tuple:
     return _tables[key]
 
 
-def _time_tables(
-    num_buckets: int, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int, two_buckets: bool | None = None,
-) -> tuple:
+def _time_tables(num_buckets: int, offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int) -> tuple:
     """What the kernels read to bucket gaps: time_bucket_edges as float32,
     time_buckets.bucket_thresholds as float64 (both made once per number of buckets and
-    device), and, where two-bucket tiles run (two_buckets; None: _two_bucket_tiles), the
-    sequences' timestamp extremes per block with their blocks per sequence (else the
-    thresholds and 0, unread)."""
+    device), and, where two-bucket tiles run (_two_bucket_tiles), the sequences' timestamp
+    extremes per block with their blocks per sequence (else the thresholds and 0, unread)."""
     edges, thresholds = _bucket_tables(num_buckets, timestamps.device)
-    if not (_two_bucket_tiles(max_seq_len) if two_buckets is None else two_buckets):
+    if not _two_bucket_tiles(max_seq_len):
         return edges, thresholds, thresholds, 0
     ext = timestamp_extremes(offsets, timestamps, max_seq_len, LARGEST_BLOCK)
     return edges, thresholds, ext, ext.shape[1]
