@@ -358,6 +358,39 @@ def test_timestamp_extremes_match_the_twin():
     assert got.shape == want.shape == (8, 12, 2) and torch.equal(got, want)
 
 
+@pytest.mark.usefixtures("two_bucket_tiles")
+def test_a_batchs_timestamp_extremes_are_made_once_and_again_after_a_write(monkeypatch):
+    """Calls on the same offsets and timestamps (a model's blocks, forward and backward)
+    share one prepass of the extremes; an in-place write to the timestamps makes them
+    again, and the attention then matches the twin on the new timestamps. With
+    REUSE_BATCH_EXTREMES off, the forward and the backward each make their own."""
+    made = []
+    prepass = triton_kernels.timestamp_extremes
+    monkeypatch.setattr(triton_kernels, "timestamp_extremes", lambda *args: made.append(1) or prepass(*args))
+    monkeypatch.setattr(triton_kernels, "_last_extremes", None)
+    lengths, heads, dim = [9, 0, 40, 23], 2, 32
+    tensors, offsets, _ = case(11, lengths, heads, dim, dim, 40, torch.float32)
+    q, k, v, timestamps = (tensors[name] for name in ("q", "k", "v", "timestamps"))
+    biases = tensors["position_bias"], tensors["time_bias"]
+    for _ in range(3):  # three blocks' attention, forward and backward
+        hstu_attention(q, k, v, offsets, timestamps, *biases, 40, backend="triton").sum().backward()
+    assert len(made) == 1
+    timestamps[offsets[2]:].mul_(3)  # (a view: the write advances timestamps' version too)
+    upstream = torch.randn(v.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    got = hstu_attention(q, k, v, offsets, timestamps, *biases, 40, backend="triton")
+    assert len(made) == 2
+    want = reference.hstu_attention(q, k, v, offsets, timestamps, *biases, 40)
+    assert close(got, want, TOLERANCE[torch.float32])
+    got_grads = torch.autograd.grad(got, (q, k, v), upstream)
+    want_grads = torch.autograd.grad(want, (q, k, v), upstream)
+    for g, w in zip(got_grads, want_grads):
+        assert close(g, w, TOLERANCE[torch.float32] * 4)
+    assert len(made) == 2
+    monkeypatch.setattr(triton_kernels, "REUSE_BATCH_EXTREMES", False)  # each call its own
+    hstu_attention(q, k, v, offsets, timestamps, *biases, 40, backend="triton").sum().backward()
+    assert len(made) == 4
+
+
 def test_bucket_thresholds_are_the_least_gaps_of_each_bucket():
     """Each threshold is the least whole gap the twin places in its bucket or above (a
     bucket may be empty: the first two edges are both 2)."""

@@ -23,6 +23,7 @@ within kept_biases.py's budget), or else from the prepass run again per chunk of
 """
 import functools
 import os
+import weakref
 
 import torch
 import triton
@@ -116,8 +117,40 @@ def _time_tables(num_buckets: int, offsets: torch.Tensor, timestamps: torch.Tens
     edges, thresholds = _bucket_tables(num_buckets, timestamps.device)
     if not _two_bucket_tiles(max_seq_len):
         return edges, thresholds, thresholds, 0
-    ext = timestamp_extremes(offsets, timestamps, max_seq_len, LARGEST_BLOCK)
+    ext = _batch_extremes(offsets, timestamps, max_seq_len)
     return edges, thresholds, ext, ext.shape[1]
+
+
+# Calls on the same batch share its timestamp extremes (_batch_extremes); False: each call
+# makes its own (a setting to compare the two: benchmarks/alternation.py)
+REUSE_BATCH_EXTREMES = True
+# the last batch's timestamp extremes: (offsets and timestamps as weak references, their
+# version counters, max_seq_len, the extremes), or None
+_last_extremes = None
+
+
+def _batch_extremes(offsets: torch.Tensor, timestamps: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """timestamp_extremes(offsets, timestamps, max_seq_len, LARGEST_BLOCK), made once for a
+    batch: every block of a model, forward and backward, reads the same ones. The last
+    call's are returned while offsets and timestamps are the same tensors, unchanged since
+    (their version counters, which in-place writes advance), at the same max_seq_len; not
+    kept for inference tensors (no version counter) or while a CUDA graph is captured (its
+    memory must come from the graph's pool). Writes that bypass the version counters (a
+    kernel writing through a pointer, `.data`) are not seen: the batch's tensors must not
+    be written that way between calls."""
+    global _last_extremes
+    keep = REUSE_BATCH_EXTREMES and not (offsets.is_inference() or timestamps.is_inference()) and not (
+        timestamps.is_cuda and torch.cuda.is_current_stream_capturing()
+    )
+    if keep and _last_extremes is not None:
+        last_offsets, last_timestamps, versions, length, ext = _last_extremes
+        if (last_offsets() is offsets and last_timestamps() is timestamps and length == max_seq_len
+                and versions == (offsets._version, timestamps._version)):
+            return ext
+    ext = timestamp_extremes(offsets, timestamps, max_seq_len, LARGEST_BLOCK)
+    if keep:
+        _last_extremes = (weakref.ref(offsets), weakref.ref(timestamps), (offsets._version, timestamps._version), max_seq_len, ext)
+    return ext
 
 
 # (device, dtype, BLOCK_DQK, BLOCK_DV) where no tiling of the forward with two heads a
