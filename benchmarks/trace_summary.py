@@ -14,7 +14,10 @@ only) and adds this summary to its JSON row.
   per step, and the longest gaps, each with the kernels on either side and the CUDA runtime
   or driver call that overlapped it most (a wait such as cudaStreamSynchronize or a
   device-to-host copy names what held the host while the GPU drained; none, or a launch,
-  says the host was busy with its own work).
+  says the host was busy with its own work);
+- idle by host op: each gap charged to the CPU ops (torch's operators, autograd Functions,
+  compiled regions) around the host call that launched the work after it, outermost first:
+  what the host was doing when the GPU ran dry, summed per step.
 """
 import argparse
 import bisect
@@ -26,6 +29,7 @@ from pathlib import Path
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's categories of GPU activity
 HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the trace's categories of CUDA API calls
 MIN_GAP_US = 5.0  # shorter gaps are the launch-to-launch spacing of a queued stream
+HOST_OP_DEPTH = 4  # enclosing CPU ops named per gap, outermost first
 
 
 def _intervals(events: list[dict], categories: tuple) -> list[tuple[float, float, str]]:
@@ -84,7 +88,54 @@ def summarize(events: list[dict], steps: int, top: int = 30, min_gap_us: float =
         "kernels": [{"kernel": name, "ms_per_step": t / per_step, "launches_per_step": count[name] / steps}
                     for name, t in total.most_common(top)],
         "longest_gaps": sorted(gaps, key=lambda g: -g["us"])[:top],
+        "idle_by_host_op": idle_by_host_op(events, steps, top, min_gap_us),
     }
+
+
+def idle_by_host_op(events: list[dict], steps: int, top: int = 30, min_gap_us: float = MIN_GAP_US) -> list[dict]:
+    """The idle gaps of at least min_gap_us, each charged to the CPU ops open (on the
+    launching thread) at the host call that launched the first work after it, by
+    correlation id: per chain of ops (outermost first, HOST_OP_DEPTH of them), µs and gaps
+    per step, most first. "(launch not in the trace)" where no call carries the work's
+    correlation id, "(no op)" where the call was outside every CPU op."""
+    work = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
+                  if e.get("ph") == "X" and e.get("cat") in DEVICE_WORK)
+    launches = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
+                if e.get("ph") == "X" and e.get("cat") in HOST_CALLS and "correlation" in e.get("args", {})}
+    ops: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    gaps, end = [], None  # (µs, the launch of the work after the gap)
+    for start, stop, correlation in work:
+        if end is not None and start - end >= min_gap_us:
+            gaps.append((start - end, launches.get(correlation)))
+        end = stop if end is None else max(end, stop)
+    chains = _open_ops(ops, [launch for _, launch in gaps if launch is not None])
+    us, count = Counter(), Counter()
+    for gap, launch in gaps:
+        key = "(launch not in the trace)" if launch is None else " > ".join(chains[launch][:HOST_OP_DEPTH]) or "(no op)"
+        us[key] += gap
+        count[key] += 1
+    return [{"host_ops": key, "us_per_step": t / steps, "gaps_per_step": count[key] / steps} for key, t in us.most_common(top)]
+
+
+def _open_ops(ops: dict, points: list[tuple]) -> dict:
+    """For each (thread, time) of points: the names of that thread's CPU ops open at that
+    time, outermost first (ops on a thread nest: one sweep per thread, a stack of open ops)."""
+    open_at = {}
+    for tid in {tid for tid, _ in points}:
+        spans, i, stack = sorted(ops.get(tid, [])), 0, []
+        for t in sorted({t for p_tid, t in points if p_tid == tid}):
+            while i < len(spans) and spans[i][0] <= t:
+                while stack and stack[-1][1] < spans[i][0]:
+                    stack.pop()
+                stack.append(spans[i])
+                i += 1
+            while stack and stack[-1][1] < t:
+                stack.pop()
+            open_at[tid, t] = [name for _, end, name in stack if end >= t]
+    return open_at
 
 
 def load_events(path: str | Path) -> list[dict]:
@@ -102,6 +153,9 @@ def print_summary(s: dict, width: int = 110) -> None:
     for g in s["longest_gaps"]:
         host = f"{g['host_call']} ({g['host_call_overlap_us']:.0f})" if g["host_call"] else "-"
         print(f"{g['us']:>9.1f}  {host[:34]:<34}  {g['after_kernel'][:40]} → {g['before_kernel'][:40]}")
+    print(f"\n{'µs/step':>9}{'gaps':>7}  the host ops around the launch after each gap (outermost first)")
+    for g in s["idle_by_host_op"]:
+        print(f"{g['us_per_step']:>9.1f}{g['gaps_per_step']:>7.1f}  {g['host_ops'][:width]}")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -59,3 +59,32 @@ def test_the_command_line_writes_the_summary_and_refuses_a_trace_without_kernels
     assert "cudaStreamSynchronize (68)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="no GPU kernels or copies"):
         trace_summary.summarize([e for e in EVENTS if e["cat"] not in ("kernel", "gpu_memcpy")], steps=1)
+
+
+def test_idle_gaps_are_charged_to_the_host_ops_around_the_next_launch():
+    """Each gap goes to the CPU ops open at the call that launched the work after it (by
+    correlation id), outermost first; launches outside every op and work launched by no
+    call in the trace get their own rows."""
+    def launched(name, ts, dur, correlation, cat="kernel", tid=7):
+        return dict(event(name, ts, dur, cat, tid), args={"correlation": correlation})
+
+    events = [
+        launched("a", 0, 10, 1),
+        event("step", 5, 200, cat="cpu_op", tid=1), event("attention", 20, 30, cat="cpu_op", tid=1),
+        event("prepass", 25, 10, cat="cpu_op", tid=1), event("aten::empty", 55, 5, cat="cpu_op", tid=1),
+        launched("cudaLaunchKernel", 30, 2, 2, cat="cuda_runtime", tid=1),
+        launched("b", 40, 10, 2),  # 30 µs after a: launched inside step > attention > prepass
+        launched("cudaLaunchKernel", 70, 2, 3, cat="cuda_runtime", tid=1),
+        launched("c", 80, 10, 3),  # 30 µs after b: inside step alone (attention had ended)
+        launched("cudaLaunchKernel", 300, 2, 4, cat="cuda_runtime", tid=1),
+        launched("d", 310, 10, 4),  # 220 µs after c: outside every op
+        launched("e", 330, 10, 99),  # 10 µs after d: no call carries its correlation
+        launched("f", 342, 3, 98),  # 2 µs after e: spacing, not a gap
+    ]
+    rows = {r["host_ops"]: (r["us_per_step"], r["gaps_per_step"]) for r in trace_summary.idle_by_host_op(events, steps=2)}
+    assert rows == {
+        "(no op)": (110, 0.5), "step > attention > prepass": (15, 0.5), "step": (15, 0.5),
+        "(launch not in the trace)": (5, 0.5),
+    }
+    # every gap is charged once: the rows sum to the idle time
+    assert sum(us for us, _ in rows.values()) == pytest.approx(1000 * trace_summary.summarize(events, 2)["idle_ms_per_step"])
