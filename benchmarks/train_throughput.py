@@ -17,6 +17,9 @@ steps. Besides the window's mean, each row gives the spread of the steps' own ti
 recorded at each step's end. On one CUDA device the model's forward and backward replay
 CUDA graphs (lightning_modules/cuda_graphs.py) unless `--cuda-graph-buckets 0`.
 
+`--alternate MODULE.ATTRIBUTE=V1,V2` switches a setting between values every few steps of
+the one run and gives the steps' times per value (alternation.py): an A/B within a process.
+
 The Trainer has training's FrozenSetup (the setup's objects out of the garbage
 collector's way); each row gives the collector's pauses in the timed steps (gc_pauses.py).
 
@@ -27,6 +30,7 @@ Prints a table and writes JSON to benchmarks/results/.
 import argparse
 import contextlib
 import cProfile
+import importlib
 import io
 import pstats
 import platform
@@ -47,6 +51,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.alternation import ALTERNATE_EVERY, Alternation  # noqa: E402
 from benchmarks.gc_pauses import GcPauses  # noqa: E402
 from benchmarks.host_sections import HostSections  # noqa: E402
 from benchmarks import trace_summary  # noqa: E402
@@ -96,9 +101,10 @@ class StepTimer(L.Callback):
 
     def __init__(
         self, warmup: int, device: str, profiler=None, count_syncs: bool = False, host_profiler: cProfile.Profile | None = None,
-        sections: HostSections | None = None,
+        sections: HostSections | None = None, alternation: Alternation | None = None,
     ):
         self.warmup, self.device = warmup, device
+        self.alternation = alternation  # a setting switched between values every few steps, or None
         self.start, self.elapsed, self.steps, self.lengths = None, None, 0, []
         self.profiler = profiler  # torch.profiler over the timed steps, or None
         self.host_profiler = host_profiler  # cProfile over the timed steps' main thread, or None
@@ -116,6 +122,10 @@ class StepTimer(L.Callback):
     def _sync(self):
         if self.device == "cuda":
             torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.alternation is not None:
+            self.alternation.apply(trainer.global_step)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self.warmup:
@@ -213,7 +223,7 @@ class Diagnostics:
 
 def run(
     device: str, preset_name: str, users: int, steps: int, warmup: int, settings: Settings = Settings(),
-    diagnostics: Diagnostics = Diagnostics(), workers: int = 2,
+    diagnostics: Diagnostics = Diagnostics(), workers: int = 2, alternation: Alternation | None = None,
 ) -> dict:
     config = settings.config(preset_name)
     profile = diagnostics.profile
@@ -235,7 +245,9 @@ def run(
             profiler = torch.profiler.profile(activities=activities)
         host_profiler = cProfile.Profile() if diagnostics.host_profile else None
         sections = HostSections() if diagnostics.host_sections else None
-        timer = StepTimer(warmup, device, profiler, diagnostics.count_syncs, host_profiler, sections)
+        timer = StepTimer(warmup, device, profiler, diagnostics.count_syncs, host_profiler, sections, alternation)
+        # (the alternated setting's value before the run, put back after it)
+        setting = None if alternation is None else getattr(importlib.import_module(alternation.module), alternation.attribute)
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
@@ -251,6 +263,8 @@ def run(
             finally:
                 if sections is not None:
                     sections.restore()
+                if alternation is not None:
+                    setattr(importlib.import_module(alternation.module), alternation.attribute, setting)
     gpu_profile = None
     if profiler is not None:
         Path(profile).mkdir(parents=True, exist_ok=True)
@@ -275,6 +289,11 @@ def run(
         print(f"\n{preset_name}: the timed steps' main thread (cProfile, {timer.steps} steps)\n{text.getvalue()}")
     if sections is not None:
         print(f"\n{preset_name}: host time per timed step by section (nested: each includes its callees)\n{sections.table(timer.steps)}")
+    alternated = alternation.summary(warmup, timer.step_times_ms()) if alternation is not None else None
+    if alternated is not None:
+        print(f"\n{preset_name}: {alternated['setting']} alternated every {alternated['every']} steps (a block's first step not counted)")
+        for v in alternated["values"]:
+            print(f"  {v['value']:>12}: {v['steps']} steps, median {v['median_ms']:.2f} ms, mean {v['mean_ms']:.2f}")
     pauses = timer.gc.summary(timer.steps)
     print(f"{preset_name}: garbage collections in the timed steps {pauses}")
     sites = sync_sites(caught)
@@ -301,6 +320,7 @@ def run(
         **({"syncs_per_step": sum(sites.values()) / timer.steps, "sync_sites": dict(sites.most_common()),
             "compiled_in_timed_steps": timer.compiled} if timer.count_syncs else {}),
         **({"host_sections_ms": sections.per_step(timer.steps)} if sections is not None else {}),
+        **({"alternated": alternated} if alternated is not None else {}),
         **({"gpu_profile": gpu_profile} if gpu_profile is not None else {}),
     }
 
@@ -328,6 +348,9 @@ def main() -> None:
     p.add_argument("--profile", metavar="DIR", help="profile the timed steps: print the top ops and launches per step, write Chrome traces to DIR; on CUDA, each kernel's time, the GPU's busy and idle time per step and its longest idle gaps (trace_summary.py), also in the JSON")
     p.add_argument("--host-profile", action="store_true", help="cProfile the timed steps' main thread (the host's Python) and print its top functions")
     p.add_argument("--host-sections", action="store_true", help="the timed steps' host time by section of the step (host_sections.py)")
+    p.add_argument("--alternate", metavar="MODULE.ATTRIBUTE=V1,V2",
+                   help="switch a setting between these values every --alternate-every steps, and give the steps' times per value (alternation.py)")
+    p.add_argument("--alternate-every", type=int, default=ALTERNATE_EVERY, help="steps a value of --alternate holds")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = p.parse_args()
     L.seed_everything(0, verbose=False)
@@ -337,7 +360,9 @@ def main() -> None:
         norm_mul_dropout_kernel=args.norm_mul_dropout_kernel, whole_item_table=args.whole_item_table,
     )
     diagnostics = Diagnostics(args.profile, args.count_syncs, args.host_profile, args.host_sections)
-    rows = [run(args.device, name, args.users, args.steps, args.warmup, settings, diagnostics, args.workers) for name in args.preset]
+    alternation = Alternation.parse(args.alternate, args.alternate_every) if args.alternate else None
+    rows = [run(args.device, name, args.users, args.steps, args.warmup, settings, diagnostics, args.workers, alternation)
+            for name in args.preset]
     print(f"\n{'device':<28}{'preset':<12}{'batch':>6}{'samples/s':>12}{'positions/s':>14}{'ms/step':>10}{'TFLOP/s':>9}{'MFU':>7}")
     for r in rows:
         mfu = f"{100 * r['MFU']:6.1f}%" if r["MFU"] is not None else f"{'-':>7}"
