@@ -48,11 +48,12 @@ def plain(q, keys, positive, key_ids, row_ids):
     return F.cross_entropy(full, torch.zeros(q.shape[0], dtype=torch.long, device=q.device))
 
 
-@pytest.mark.parametrize("rows,negatives,dim", [(1, 1, 4), (37, 77, 25), (130, 1500, 50), (5, 0, 8)])
+@pytest.mark.parametrize("rows,negatives,dim", [(1, 1, 4), (37, 77, 25), (130, 1500, 50), (5, 0, 8), (5, 1100, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, SIXTEEN_BIT])
 def test_the_row_kernel_matches_the_twin(rows, negatives, dim, dtype):
     """The kernel's losses, positives' gradients and logits' gradients against the twin's,
-    on the same logits: one block and several (1,500 columns), one row per program and many."""
+    on the same logits: one block and several (1,100 and 1,500 columns), many rows a
+    program and a few (wide rows: the last program's partly past the last row)."""
     q, keys, positive, key_ids, row_ids = case(rows + negatives, rows * SCALE, negatives * SCALE, dim, dtype)
     logits = q @ keys.T
     got_logits, want_logits = logits.clone(), logits.clone()

@@ -17,6 +17,10 @@ from ..launch import cdiv, launch, next_power_of_2
 
 MAX_BLOCK_N = 1024  # logits columns per step
 ROW_BLOCK_ELEMENTS = 4096  # rows × columns a program holds: narrow logits take more rows
+# rows a program walks where they are wider than a block: few enough that the programs
+# running at once find their rows in L2 on the second pass (benchmarks/train_throughput.md,
+# "where the host's time goes, sampled")
+WIDE_ROWS_PER_PROGRAM = 2
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2(e))
 
 
@@ -74,7 +78,7 @@ def softmax_rows(
     dpositive = torch.empty_like(loss)
     if P:
         block_n = min(MAX_BLOCK_N, max(16, next_power_of_2(N)))
-        rows = max(1, ROW_BLOCK_ELEMENTS // block_n)
+        rows = WIDE_ROWS_PER_PROGRAM if N > MAX_BLOCK_N else max(1, ROW_BLOCK_ELEMENTS // block_n)
         launch(
             _softmax_rows_kernel, (cdiv(P, rows),), logits, positive.float().contiguous(), key_ids.contiguous(),
             row_ids.contiguous(), loss, dpositive, P, N, logits.stride(0), ROWS=rows, BLOCK_N=block_n,
