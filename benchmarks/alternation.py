@@ -57,7 +57,7 @@ class Alternation:
 
     def summary(self, first_step: int, times_ms: list[float]) -> dict:
         """Per value, the counted steps' times (times_ms[i]: step first_step + i's): their
-        count, median and mean in ms."""
+        count, median and mean in ms, and the times themselves in step order."""
         arms = [[] for _ in self.values]
         for i, t in enumerate(times_ms):
             step = first_step + i
@@ -67,7 +67,7 @@ class Alternation:
             "setting": f"{self.module}.{self.attribute}", "every": self.every,
             "values": [
                 {"value": repr(v), "steps": len(a), "median_ms": float(np.median(a)) if a else None,
-                 "mean_ms": float(np.mean(a)) if a else None}
+                 "mean_ms": float(np.mean(a)) if a else None, "steps_ms": [float(t) for t in a]}
                 for v, a in zip(self.values, arms)
             ],
         }

@@ -1,6 +1,7 @@
 """benchmarks/train_throughput.py's step timer on a CPU: the window's time and each timed
 step's own time, from the steps' ends as Lightning reports them; a setting alternated
 between values within the run (benchmarks/alternation.py)."""
+import statistics
 import sys
 import time
 import types
@@ -54,6 +55,8 @@ def test_an_alternated_setting_takes_turns_and_each_value_gets_its_steps_times(m
     # steps 2, 7, 8, 13 (False) and 4, 5, 10, 11 (True): 3, 6, 9 and 12 open a block
     assert (fast["value"], fast["steps"], slow["value"], slow["steps"]) == ("False", 4, "True", 4)
     assert slow["median_ms"] > 10 > fast["median_ms"]
+    for value in (fast, slow):  # the counted steps' own times, in step order
+        assert len(value["steps_ms"]) == value["steps"] and statistics.median(value["steps_ms"]) == pytest.approx(value["median_ms"])
 
 
 @pytest.mark.parametrize("spec", ["SLOW=1,2", "alternated_setting.SLOW=1", "alternated_setting.SLOW=fast,slow",
