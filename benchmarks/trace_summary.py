@@ -32,20 +32,26 @@ MIN_GAP_US = 5.0  # shorter gaps are the launch-to-launch spacing of a queued st
 HOST_OP_DEPTH = 4  # enclosing CPU ops named per gap, outermost first
 
 
-def _intervals(events: list[dict], categories: tuple) -> list[tuple[float, float, str]]:
-    """(start, end, name) of the complete events of those categories, by start."""
-    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") in categories)
+def _intervals(events: list[dict], categories: tuple) -> list[tuple[float, float, str, int | None]]:
+    """(start, end, name, correlation id or None) of the complete events of those
+    categories, by start (then end and name)."""
+    return sorted(
+        ((e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation"))
+         for e in events if e.get("ph") == "X" and e.get("cat") in categories),
+        key=lambda x: x[:3],
+    )
 
 
-def busy_spans(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
-    """The union of kernel intervals (start-sorted): (start, end, first kernel, last kernel)."""
+def busy_spans(kernels: list[tuple[float, float, str, int | None]]) -> list[tuple[float, float, str, str, int | None]]:
+    """The union of kernel intervals (start-sorted): (start, end, first kernel, last kernel,
+    the first kernel's correlation id)."""
     spans = []
-    for start, end, name in kernels:
+    for start, end, name, correlation in kernels:
         if spans and start <= spans[-1][1]:
-            s, e, first, last = spans[-1]
-            spans[-1] = (s, max(e, end), first, name if end >= e else last)
+            s, e, first, last, first_correlation = spans[-1]
+            spans[-1] = (s, max(e, end), first, name if end >= e else last, first_correlation)
         else:
-            spans.append((start, end, name, name))
+            spans.append((start, end, name, name, correlation))
     return spans
 
 
@@ -55,62 +61,57 @@ def summarize(events: list[dict], steps: int, top: int = 30, min_gap_us: float =
     if not kernels:
         raise ValueError("the trace has no GPU kernels or copies (a CPU run, or a profile without CUDA activity)")
     total, count = Counter(), Counter()
-    for start, end, name in kernels:
+    for start, end, name, _ in kernels:
         total[name] += end - start
         count[name] += 1
     spans = busy_spans(kernels)
     calls = _intervals(events, HOST_CALLS)
-    starts = [s for s, _, _ in calls]
-    ends_so_far = list(accumulate((e for _, e, _ in calls), max))  # the latest end among calls[:i + 1]
-    gaps = []
-    for (_, gap_start, _, before), (gap_end, _, after, _) in zip(spans, spans[1:]):
+    starts = [c[0] for c in calls]
+    ends_so_far = list(accumulate((c[1] for c in calls), max))  # the latest end among calls[:i + 1]
+    gaps, launched = [], []  # (launched: each gap's µs, the correlation id of the work after it)
+    for (_, gap_start, _, before, _), (gap_end, _, after, _, correlation) in zip(spans, spans[1:]):
         if gap_end - gap_start < min_gap_us:
             continue
         overlap = {}
         # the calls that may overlap the gap: from the first whose predecessors' ends reach past
         # its start, to the last that starts before its end
-        for s, e, name in calls[bisect.bisect_right(ends_so_far, gap_start):bisect.bisect_left(starts, gap_end)]:
+        for s, e, name, _ in calls[bisect.bisect_right(ends_so_far, gap_start):bisect.bisect_left(starts, gap_end)]:
             shared = min(e, gap_end) - max(s, gap_start)
             if shared > overlap.get(name, 0):
                 overlap[name] = shared
         host = max(overlap, key=overlap.get) if overlap else None
         gaps.append({"us": gap_end - gap_start, "after_kernel": before, "before_kernel": after, "host_call": host,
                      "host_call_overlap_us": overlap.get(host, 0.0)})
+        launched.append((gap_end - gap_start, correlation))
     per_step = 1000.0 * steps
     return {
         "steps": steps,
         "min_gap_us": min_gap_us,
         "kernels_per_step": len(kernels) / steps,
-        "busy_ms_per_step": sum(e - s for s, e, _, _ in spans) / per_step,
+        "busy_ms_per_step": sum(e - s for s, e, *_ in spans) / per_step,
         "kernel_ms_per_step": sum(total.values()) / per_step,
         "window_ms_per_step": (spans[-1][1] - spans[0][0]) / per_step,
         "idle_ms_per_step": sum(g["us"] for g in gaps) / per_step,
         "kernels": [{"kernel": name, "ms_per_step": t / per_step, "launches_per_step": count[name] / steps}
                     for name, t in total.most_common(top)],
         "longest_gaps": sorted(gaps, key=lambda g: -g["us"])[:top],
-        "idle_by_host_op": idle_by_host_op(events, steps, top, min_gap_us),
+        "idle_by_host_op": idle_by_host_op(events, launched, steps, top),
     }
 
 
-def idle_by_host_op(events: list[dict], steps: int, top: int = 30, min_gap_us: float = MIN_GAP_US) -> list[dict]:
-    """The idle gaps of at least min_gap_us, each charged to the CPU ops open (on the
-    launching thread) at the host call that launched the first work after it, by
-    correlation id: per chain of ops (outermost first, HOST_OP_DEPTH of them), µs and gaps
-    per step, most first. "(launch not in the trace)" where no call carries the work's
-    correlation id, "(no op)" where the call was outside every CPU op."""
-    work = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
-                  if e.get("ph") == "X" and e.get("cat") in DEVICE_WORK)
-    launches = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
-                if e.get("ph") == "X" and e.get("cat") in HOST_CALLS and "correlation" in e.get("args", {})}
+def idle_by_host_op(events: list[dict], launched: list[tuple[float, int | None]], steps: int, top: int = 30) -> list[dict]:
+    """The idle gaps (µs, the correlation id of the work after each), each charged to the
+    CPU ops open (on the launching thread) at the host call that launched that work: per
+    chain of ops (outermost first, HOST_OP_DEPTH of them), µs and gaps per step, most
+    first. "(launch not in the trace)" where no call carries the work's correlation id,
+    "(no op)" where the call was outside every CPU op."""
+    launches = {c: (e["tid"], e["ts"]) for e in events
+                if e.get("ph") == "X" and e.get("cat") in HOST_CALLS and (c := e.get("args", {}).get("correlation")) is not None}
     ops: dict = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "cpu_op":
             ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
-    gaps, end = [], None  # (µs, the launch of the work after the gap)
-    for start, stop, correlation in work:
-        if end is not None and start - end >= min_gap_us:
-            gaps.append((start - end, launches.get(correlation)))
-        end = stop if end is None else max(end, stop)
+    gaps = [(us, launches.get(correlation)) for us, correlation in launched]
     chains = _open_ops(ops, [launch for _, launch in gaps if launch is not None])
     us, count = Counter(), Counter()
     for gap, launch in gaps:

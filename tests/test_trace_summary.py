@@ -81,10 +81,11 @@ def test_idle_gaps_are_charged_to_the_host_ops_around_the_next_launch():
         launched("e", 330, 10, 99),  # 10 µs after d: no call carries its correlation
         launched("f", 342, 3, 98),  # 2 µs after e: spacing, not a gap
     ]
-    rows = {r["host_ops"]: (r["us_per_step"], r["gaps_per_step"]) for r in trace_summary.idle_by_host_op(events, steps=2)}
+    summary = trace_summary.summarize(events, steps=2)
+    rows = {r["host_ops"]: (r["us_per_step"], r["gaps_per_step"]) for r in summary["idle_by_host_op"]}
     assert rows == {
         "(no op)": (110, 0.5), "step > attention > prepass": (15, 0.5), "step": (15, 0.5),
         "(launch not in the trace)": (5, 0.5),
     }
     # every gap is charged once: the rows sum to the idle time
-    assert sum(us for us, _ in rows.values()) == pytest.approx(1000 * trace_summary.summarize(events, 2)["idle_ms_per_step"])
+    assert sum(us for us, _ in rows.values()) == pytest.approx(1000 * summary["idle_ms_per_step"])
