@@ -13,6 +13,7 @@ A block's first step is left out of its value's figures: its host work overlappe
 block's GPU work.
 """
 import ast
+import contextlib
 import importlib
 from dataclasses import dataclass
 
@@ -54,6 +55,17 @@ class Alternation:
     def apply(self, step: int) -> None:
         """Sets the attribute to the value of `step`."""
         setattr(importlib.import_module(self.module), self.attribute, self.values[self.arm(step)])
+
+    @contextlib.contextmanager
+    def restoring(self):
+        """The attribute's value as it was on entry, set again on leaving (a run leaves the
+        setting as it found it)."""
+        module = importlib.import_module(self.module)
+        before = getattr(module, self.attribute)
+        try:
+            yield
+        finally:
+            setattr(module, self.attribute, before)
 
     def summary(self, first_step: int, times_ms: list[float]) -> dict:
         """Per value, the counted steps' times (times_ms[i]: step first_step + i's): their

@@ -30,7 +30,6 @@ Prints a table and writes JSON to benchmarks/results/.
 import argparse
 import contextlib
 import cProfile
-import importlib
 import io
 import pstats
 import platform
@@ -246,8 +245,6 @@ def run(
         host_profiler = cProfile.Profile() if diagnostics.host_profile else None
         sections = HostSections() if diagnostics.host_sections else None
         timer = StepTimer(warmup, device, profiler, diagnostics.count_syncs, host_profiler, sections, alternation)
-        # (the alternated setting's value before the run, put back after it)
-        setting = None if alternation is None else getattr(importlib.import_module(alternation.module), alternation.attribute)
         accelerator = "gpu" if device == "cuda" else "cpu"
         trainer = L.Trainer(
             accelerator=accelerator, devices=1, max_steps=warmup + steps, precision=precision_for(accelerator),
@@ -255,7 +252,8 @@ def run(
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[timer, FrozenSetup()],  # (as training has it)
         )
-        with warnings.catch_warnings(record=True) if timer.count_syncs else contextlib.nullcontext([]) as caught:
+        with (warnings.catch_warnings(record=True) if timer.count_syncs else contextlib.nullcontext([]) as caught,
+              alternation.restoring() if alternation is not None else contextlib.nullcontext()):
             if timer.count_syncs:
                 warnings.simplefilter("always")
             try:
@@ -263,8 +261,6 @@ def run(
             finally:
                 if sections is not None:
                     sections.restore()
-                if alternation is not None:
-                    setattr(importlib.import_module(alternation.module), alternation.attribute, setting)
     gpu_profile = None
     if profiler is not None:
         Path(profile).mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,10 @@ def test_an_alternated_setting_takes_turns_and_each_value_gets_its_steps_times(m
     assert slow["median_ms"] > 10 > fast["median_ms"]
     for value in (fast, slow):  # the counted steps' own times, in step order
         assert len(value["steps_ms"]) == value["steps"] and statistics.median(value["steps_ms"]) == pytest.approx(value["median_ms"])
+    with alternation.restoring():  # (a run puts the setting back as it found it)
+        alternation.apply(3)
+        assert setting.SLOW is True
+    assert setting.SLOW is False
 
 
 @pytest.mark.parametrize("spec", ["SLOW=1,2", "alternated_setting.SLOW=1", "alternated_setting.SLOW=fast,slow",
