@@ -198,6 +198,7 @@ class Settings:
     cuda_graph_buckets: int | None = None
     row_multiple: int | None = None
     compile_blocks: bool | None = None
+    compile_model: bool | None = None
     layer_norm_kernel: bool | None = None
     norm_mul_dropout_kernel: bool | None = None
     whole_item_table: int | None = None  # rows: the item table allocated whole (it never grows)
@@ -205,7 +206,7 @@ class Settings:
     def config(self, preset_name: str):
         return preset(preset_name).override(
             batch_size=self.batch_size, cuda_graph_buckets=self.cuda_graph_buckets, row_multiple=self.row_multiple,
-            compile_blocks=self.compile_blocks, layer_norm_kernel=self.layer_norm_kernel,
+            compile_blocks=self.compile_blocks, compile_model=self.compile_model, layer_norm_kernel=self.layer_norm_kernel,
             norm_mul_dropout_kernel=self.norm_mul_dropout_kernel,
             embedding_capacity=self.whole_item_table, embedding_max_capacity=self.whole_item_table,
         )
@@ -302,7 +303,8 @@ def run(
     return {
         "device": device, "device_name": name, "threads": torch.get_num_threads(), "preset": preset_name,
         "precision": precision_for(accelerator), "batch_size": config.batch_size, "max_seq_len": config.max_seq_len,
-        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "compile_blocks": config.compile_blocks, "row_multiple": config.row_multiple,
+        "num_negatives": config.num_negatives, "cuda_graph_buckets": config.cuda_graph_buckets, "compile_blocks": config.compile_blocks,
+        "compile_model": config.compile_model, "row_multiple": config.row_multiple,
         "layer_norm_kernel": config.layer_norm_kernel, "norm_mul_dropout_kernel": config.norm_mul_dropout_kernel, "pair_bias_tiles": triton_kernels.reads_pair_biases(config.max_seq_len),
         "rows_by_descriptor": triton_kernels.ROWS_BY_DESCRIPTOR, "keep_pair_biases": triton_kernels.KEEP_PAIR_BIASES,
         "embedding_capacity": config.embedding_capacity, "embedding_max_capacity": config.embedding_max_capacity, "users": users, "workers": workers,
@@ -334,6 +336,8 @@ def main() -> None:
     p.add_argument("--row-multiple", type=int, help="a step without graphs pads its rows up to a multiple of this (0: none; default: the preset's)")
     p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' work around the attention through torch.compile (default: the preset's)")
+    p.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=None,
+                   help="the whole model's forward as one torch.compile graph (default: the preset's)")
     p.add_argument("--layer-norm-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' layer norms through kernels.layer_norm (default: the preset's)")
     p.add_argument("--norm-mul-dropout-kernel", action=argparse.BooleanOptionalAction, default=None,
@@ -352,7 +356,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     settings = Settings(
         batch_size=args.batch_size, cuda_graph_buckets=args.cuda_graph_buckets, row_multiple=args.row_multiple,
-        compile_blocks=args.compile_blocks, layer_norm_kernel=args.layer_norm_kernel,
+        compile_blocks=args.compile_blocks, compile_model=args.compile_model, layer_norm_kernel=args.layer_norm_kernel,
         norm_mul_dropout_kernel=args.norm_mul_dropout_kernel, whole_item_table=args.whole_item_table,
     )
     diagnostics = Diagnostics(args.profile, args.count_syncs, args.host_profile, args.host_sections)

@@ -54,6 +54,11 @@ class HSTUConfig:
     # over memory, a compilation at the first step (hstu.py, losses.py). Off by default:
     # faster on one GPU, measured slower under 4 processes on one host (benchmarks/scaling.md)
     compile_blocks: bool = False
+    # the whole model's forward (every block, the attention and kernels.norm_mul_dropout as
+    # custom ops within it) as one torch.compile graph, and so its backward as one: the host
+    # runs one compiled function a step each way instead of one between every two attention
+    # calls (hstu.py). The sampled softmax's compilation stays with compile_blocks
+    compile_model: bool = False
     # the blocks' layer norms through kernels.layer_norm (Triton on CUDA, torch's elsewhere)
     # instead of torch's CUDA kernel, which takes a thread block per row at the paper
     # presets' width of 50 (timings: benchmarks/train_throughput.md). The same weights and
@@ -98,6 +103,7 @@ class HSTUConfig:
         d.setdefault("item_features", False)  # configs saved before the fields existed
         d.setdefault("balanced_batches", True)
         d.setdefault("compile_blocks", False)
+        d.setdefault("compile_model", False)
         d.setdefault("layer_norm_kernel", False)  # (what those configs computed with)
         d.setdefault("norm_mul_dropout_kernel", False)  # (nn.Dropout's masks, as those configs trained)
         return HSTUConfig(**d)

@@ -42,7 +42,7 @@ from kernels.hstu_attention import hstu_attention
 from kernels.layer_norm import layer_norm
 from kernels.norm_mul_dropout import norm_mul_dropout
 
-from .compiled import compiled_if
+from .compiled import compiled, compiled_if
 from .config import HSTUConfig
 
 
@@ -174,7 +174,7 @@ class HSTUBlock(nn.Module):
             # (its own kernels, outside torch.compile)
             p = self.dropout.p if self.training else 0.0
             return norm_mul_dropout(out.reshape(u.shape), u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, p, backend)
-        return compiled_if(self.compile, gated_norm)(out, u, self.attn_norm, self.dropout)
+        return compiled_if(self.compile and not torch.compiler.is_compiling(), gated_norm)(out, u, self.attn_norm, self.dropout)
 
 
 class HSTU(nn.Module):
@@ -195,13 +195,22 @@ class HSTU(nn.Module):
     def forward(self, item_emb: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """item_emb (total, D), timestamps (total,), offsets (B + 1,) int64 of sequences no
         longer than max_seq_len → (total, D), unit norm."""
-        # (compiled, the jagged arguments are the first two: the rows, and h)
-        call = functools.partial(compiled_if, self.config.compile_blocks)
-        at = positions_in_sequence(offsets, item_emb.shape[0])
-        blocks = list(self.blocks)
-        x, u, v, q, k = call(first_block_input)(item_emb, at, self.positions, self.input_dropout, *blocks[0].projections())
-        for block, following in zip(blocks[:-1], blocks[1:]):
-            h = block.attend(u, v, q, k, timestamps, offsets, self.attention_backend)
-            x, u, v, q, k = call(next_block_input)(x, h, block.output, *following.projections())
-        h = blocks[-1].attend(u, v, q, k, timestamps, offsets, self.attention_backend)
-        return call(last_block_output)(x, h, blocks[-1].output)
+        if self.config.compile_model:  # (sizes that vary: the rows, their timestamps and the sequences' count)
+            return compiled(model_forward, (0, 1, 2), data_dependent_sizes=True)(item_emb, timestamps, offsets, self)
+        return model_forward(item_emb, timestamps, offsets, self)
+
+
+def model_forward(item_emb: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, model: HSTU) -> torch.Tensor:
+    """HSTU.forward's work: the blocks between the model's input and output; with
+    compile_blocks (and not compile_model, which compiles this whole) the work between two
+    attention calls through torch.compile."""
+    # (compiled, the jagged arguments are the first two: the rows, and h)
+    call = functools.partial(compiled_if, model.config.compile_blocks and not model.config.compile_model)
+    at = positions_in_sequence(offsets, item_emb.shape[0])
+    blocks = list(model.blocks)
+    x, u, v, q, k = call(first_block_input)(item_emb, at, model.positions, model.input_dropout, *blocks[0].projections())
+    for block, following in zip(blocks[:-1], blocks[1:]):
+        h = block.attend(u, v, q, k, timestamps, offsets, model.attention_backend)
+        x, u, v, q, k = call(next_block_input)(x, h, block.output, *following.projections())
+    h = blocks[-1].attend(u, v, q, k, timestamps, offsets, model.attention_backend)
+    return call(last_block_output)(x, h, blocks[-1].output)

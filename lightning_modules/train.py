@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on GPUs, a step the graphs do not serve pads its rows up to a multiple of this (0: none; default: the preset's)")
     p.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=None,
                    help="each block's work around the attention through torch.compile (default: the preset's setting)")
+    p.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=None,
+                   help="the whole model's forward as one torch.compile graph, the attention kernels as custom ops in it (default: the preset's setting)")
     p.add_argument("--layer-norm-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' layer norms through kernels.layer_norm (default: the preset's setting)")
     p.add_argument("--norm-mul-dropout-kernel", action=argparse.BooleanOptionalAction, default=None,
@@ -99,7 +101,7 @@ def model_config(args, catalog_size: int):
     return preset(args.preset).override(
         num_negatives=args.num_negatives, item_features=args.item_features, cuda_graph_buckets=args.cuda_graph_buckets,
         row_multiple=args.row_multiple,
-        compile_blocks=args.compile_blocks, layer_norm_kernel=args.layer_norm_kernel,
+        compile_blocks=args.compile_blocks, compile_model=args.compile_model, layer_norm_kernel=args.layer_norm_kernel,
         norm_mul_dropout_kernel=args.norm_mul_dropout_kernel, ddp_step_graph=args.ddp_step_graph, **given
     )
 

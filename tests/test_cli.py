@@ -94,6 +94,8 @@ def test_the_training_workers_counts_are_checked_too():
     args = parse_args(["--data-dir", "d", "--out-dir", "o", "--preset", "hstu-long", "--row-multiple", "0"])
     assert model_config(args, 100).row_multiple == 0  # the flag reaches the config
     assert model_config(parse_args(["--data-dir", "d", "--out-dir", "o"]), 100).row_multiple == HSTUConfig().row_multiple
+    assert model_config(parse_args(["--data-dir", "d", "--out-dir", "o", "--compile-model"]), 100).compile_model
+    assert not model_config(parse_args(["--data-dir", "d", "--out-dir", "o"]), 100).compile_model
     for flag, value in (("--batch-size", "0"), ("--row-multiple", "-1"), ("--epochs", "-1"), ("--patience", "-1"), ("--log-every", "0"), ("--lr", "0"),
                         ("--dropout", "1.0"), ("--dropout", "x"), ("--checkpoint-minutes", "-5")):
         with pytest.raises(SystemExit):

@@ -134,6 +134,24 @@ def test_a_model_without_blocks_is_refused():
         HSTU(SMALL.override(num_blocks=0))
 
 
+def assert_computes_as_eager(model: HSTU, eager: HSTU, batches: tuple, device: str) -> list:
+    """model gives eager's outputs and gradients (of the rows and every weight) on jagged
+    batches of these lengths; returns model's gradients on the last batch."""
+    for seed, lengths in enumerate(batches):
+        emb, ts, offsets = (t.to(device) for t in sequence_batch(lengths, seed=seed))
+        outputs, grads = [], []
+        for m in (eager, model):
+            x = emb.clone().requires_grad_(True)
+            y = m(x, ts, offsets)
+            outputs.append(y)
+            weights = torch.linspace(-1, 1, y.numel(), device=device).view_as(y)
+            grads.append(torch.autograd.grad((y * weights).sum(), [x, *m.parameters()]))
+        torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-4)
+        for got, want in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    return grads[1]
+
+
 def test_compiled_blocks_compute_what_the_eager_blocks_do():
     """compile_blocks: each block's work around the attention, the model's input and its
     output's normalization through torch.compile give the eager model's outputs and gradients (no dropout), over
@@ -148,23 +166,32 @@ def test_compiled_blocks_compute_what_the_eager_blocks_do():
     eager = HSTU(config).to(device)
     compiled = HSTU(config.override(compile_blocks=True)).to(device)
     compiled.load_state_dict(eager.state_dict())
-    for seed, lengths in enumerate(([1, 3, 12, 5, 0, 7], [12, 2], [4, 4, 9, 1, 11, 6, 3])):
-        emb, ts, offsets = (t.to(device) for t in sequence_batch(lengths, seed=seed))
-        outputs, grads = [], []
-        for model in (eager, compiled):
-            x = emb.clone().requires_grad_(True)
-            y = model(x, ts, offsets)
-            outputs.append(y)
-            grads.append(torch.autograd.grad((y * torch.linspace(-1, 1, y.numel(), device=device).view_as(y)).sum(), [x, *model.parameters()]))
-        torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-4)
-        for got, want in zip(grads[1], grads[0]):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert_computes_as_eager(compiled, eager, ([1, 3, 12, 5, 0, 7], [12, 2], [4, 4, 9, 1, 11, 6, 3]), device)
     # first_block_input, next_block_input and last_block_output, each traced once for all
     # blocks and batch sizes, and gated_norm where kernels.norm_mul_dropout does not run (on a
     # CPU the attention's twin runs, and with it torch's ops)
     graphs = 3 if device == "cuda" and config.norm_mul_dropout_kernel else 4
     assert counters["stats"]["unique_graphs"] == graphs
     assert counters["frames"]["ok"] == graphs
+
+
+def test_the_model_compiled_whole_computes_what_the_eager_model_does():
+    """compile_model: the whole forward as one graph, the Triton attention and
+    kernels.norm_mul_dropout as custom ops in it (Triton's interpreter on a CPU), gives the
+    eager model's outputs and gradients (the bias tables' too, no dropout: Inductor draws its
+    own masks), over batches of several row counts, from one graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = SMALL.override(num_blocks=3, max_seq_len=70, dropout=0.0)
+    eager = HSTU(config, attention_backend="triton").to(device)
+    whole = HSTU(config.override(compile_model=True), attention_backend="triton").to(device)
+    whole.load_state_dict(eager.state_dict())
+    grads = assert_computes_as_eager(whole, eager, ([1, 3, 12, 5, 0, 7], [70, 2], [4, 4, 9, 1, 11, 6, 3]), device)
+    assert all(g.abs().sum() > 0 for g in grads[-2:])  # (the last block's bias tables learn)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_sampled_softmax_masks_accidental_hits():

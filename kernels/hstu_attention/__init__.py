@@ -6,7 +6,7 @@ context prefix); both paths are differentiable in q, k, v and the two bias table
 import torch
 
 from ..backend import use_triton
-from . import reference, triton_kernels
+from . import graph_ops, reference, triton_kernels
 from .reference import TIME_BUCKET_LOG, allowed_pairs, time_buckets
 
 __all__ = ["hstu_attention", "TIME_BUCKET_LOG", "allowed_pairs", "time_buckets"]
@@ -60,6 +60,11 @@ def hstu_attention(
     if triton:
         # (inside the Function's forward grad mode is off, and needs_input_grad ignores no_grad)
         backward_follows = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, position_bias, time_bias))
+        if torch.compiler.is_compiling():  # (one op of the compiled graph: graph_ops.py)
+            return graph_ops.attention(
+                q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets,
+                context_len, backward_follows,
+            )[0]
         return _Attention.apply(
             q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len,
             backward_follows,
