@@ -13,12 +13,10 @@ import sys
 from pathlib import Path
 
 import triton
-from triton import compile as triton_compile
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.kernel_listing import compile_kernel  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
 
 from kernels.hstu_attention import attention_kernels as ak, score_grads, triton_kernels as tk  # noqa: E402
@@ -45,11 +43,9 @@ def signature(kernel) -> dict:
 
 
 def shared_bytes(kernel, config, arch: int, constants: dict) -> int:
-    types = signature(kernel)
-    consts = {**constants, **config.kwargs}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr")}
-    src = ASTSource(fn=kernel, signature={**types, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
-    compiled = triton_compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    compiled = compile_kernel(
+        kernel, signature(kernel), {**constants, **config.kwargs}, set(), arch, config.num_warps, config.num_stages,
+    )
     return compiled.metadata.shared
 
 
