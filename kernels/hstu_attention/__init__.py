@@ -1,7 +1,9 @@
 """HSTU attention on jagged sequences, forward and backward: the Triton kernels on CUDA and
 the pure-PyTorch twin elsewhere (backend "triton" or "reference" picks one; "auto" by
 device). reference.py states the computation and its masks (causal, target tokens, a
-context prefix); both paths are differentiable in q, k, v and the two bias tables.
+context prefix); both paths are differentiable in q, k, v and the two bias tables. Inside
+torch.compile the Triton path is a pair of custom ops (graph_ops.py), so a model compiled
+whole keeps one graph.
 """
 import torch
 

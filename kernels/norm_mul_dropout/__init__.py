@@ -5,7 +5,8 @@ and bias on both paths.
 
 Each call draws a seed from torch's generator on x's device (a device tensor: a CUDA
 graph's replays draw their own), from which both paths make the same mask
-(reference.py); the Triton backward makes it again instead of keeping it.
+(reference.py); the Triton backward makes it again instead of keeping it. Inside
+torch.compile the Triton path is a pair of custom ops (graph_ops.py).
 """
 import torch
 
