@@ -12,7 +12,7 @@ def norm_mul_dropout(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the output in x's shape, each row's mean and reciprocal standard deviation, the
     seed): __init__.forward_rows."""
-    from . import forward_rows
+    from . import forward_rows  # (here: the package's __init__ imports this module)
 
     out, _, _, mean, rstd, seed = forward_rows(x, u, weight, bias, eps, p)
     return out.view(x.shape), mean, rstd, seed
@@ -32,7 +32,7 @@ def norm_mul_dropout_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, du in x's shape, the weight's and the bias's gradients as the rows of one (2, D)
     float32 tensor): __init__.backward_rows."""
-    from . import backward_rows
+    from . import backward_rows  # (here: the package's __init__ imports this module)
 
     dx, du, dw, db = backward_rows(grad, x, u, weight, bias, mean, rstd, p, seed)
     return dx.view(x.shape), du.view(x.shape), torch.stack([dw, db])
