@@ -290,7 +290,8 @@ def run(
     if alternated is not None:
         print(f"\n{preset_name}: {alternated['setting']} alternated every {alternated['every']} steps (a block's first step not counted)")
         for v in alternated["values"]:
-            print(f"  {v['value']:>12}: {v['steps']} steps, median {v['median_ms']:.2f} ms, mean {v['mean_ms']:.2f}")
+            figures = f"median {v['median_ms']:.2f} ms, mean {v['mean_ms']:.2f}" if v["steps"] else "no counted step"
+            print(f"  {v['value']:>12}: {v['steps']} steps, {figures}")
     pauses = timer.gc.summary(timer.steps)
     print(f"{preset_name}: garbage collections in the timed steps {pauses}")
     sites = sync_sites(caught)

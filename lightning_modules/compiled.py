@@ -26,5 +26,6 @@ def compiled(fn, jagged: tuple[int, ...], data_dependent_sizes: bool = False):
 
 
 def compiled_if(compile: bool, fn, jagged: tuple[int, ...] = (0, 1)):
-    """compiled(fn, jagged) where compile is set, else fn itself."""
-    return compiled(fn, jagged) if compile else fn
+    """compiled(fn, jagged) where compile is set, else fn itself; fn itself too while
+    torch.compile traces the caller (a model compiled whole), whose graph takes fn's ops in."""
+    return compiled(fn, jagged) if compile and not torch.compiler.is_compiling() else fn

@@ -174,7 +174,7 @@ class HSTUBlock(nn.Module):
             # (its own kernels, outside torch.compile)
             p = self.dropout.p if self.training else 0.0
             return norm_mul_dropout(out.reshape(u.shape), u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, p, backend)
-        return compiled_if(self.compile and not torch.compiler.is_compiling(), gated_norm)(out, u, self.attn_norm, self.dropout)
+        return compiled_if(self.compile, gated_norm)(out, u, self.attn_norm, self.dropout)
 
 
 class HSTU(nn.Module):
@@ -202,10 +202,10 @@ class HSTU(nn.Module):
 
 def model_forward(item_emb: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor, model: HSTU) -> torch.Tensor:
     """HSTU.forward's work: the blocks between the model's input and output; with
-    compile_blocks (and not compile_model, which compiles this whole) the work between two
-    attention calls through torch.compile."""
+    compile_blocks the work between two attention calls through torch.compile (unless
+    compile_model compiles this whole: compiled_if)."""
     # (compiled, the jagged arguments are the first two: the rows, and h)
-    call = functools.partial(compiled_if, model.config.compile_blocks and not model.config.compile_model)
+    call = functools.partial(compiled_if, model.config.compile_blocks)
     at = positions_in_sequence(offsets, item_emb.shape[0])
     blocks = list(model.blocks)
     x, u, v, q, k = call(first_block_input)(item_emb, at, model.positions, model.input_dropout, *blocks[0].projections())

@@ -62,13 +62,9 @@ def hstu_attention(
     if triton:
         # (inside the Function's forward grad mode is off, and needs_input_grad ignores no_grad)
         backward_follows = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, position_bias, time_bias))
+        args = (q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len,
+                backward_follows)
         if torch.compiler.is_compiling():  # (one op of the compiled graph: graph_ops.py)
-            return graph_ops.attention(
-                q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets,
-                context_len, backward_follows,
-            )[0]
-        return _Attention.apply(
-            q, k, v, offsets, timestamps.to(torch.int64), position_bias, time_bias, max_seq_len, num_targets, context_len,
-            backward_follows,
-        )
+            return graph_ops.attention(*args)[0]
+        return _Attention.apply(*args)
     return reference.hstu_attention(q, k, v, offsets, timestamps, position_bias, time_bias, max_seq_len, num_targets, context_len)
