@@ -77,13 +77,17 @@ def _biased_scores(
 
 @triton.jit
 def _allowed(rows, cols, n, history_end, context_len):
-    """Whether each query row attends to each key row (reference.py's masks)."""
-    in_history = cols[None, :] < history_end
-    allowed = tl.where(
-        rows[:, None] < context_len, in_history,
-        tl.where(rows[:, None] < history_end, cols[None, :] <= rows[:, None], in_history | (cols[None, :] == rows[:, None])),
-    )
-    return allowed & (rows[:, None] < n) & (cols[None, :] < n)
+    """Whether each query row attends to each key row (reference.py's masks), made from two
+    values per row so that a pair costs two comparisons: a row below n attends to the
+    columns up to its limit (history_end - 1 for context and target rows, itself for
+    history rows) and, outside the context, to its own column; a row past n to none. The
+    limit and the own column are below n, so no column past n is allowed (the bias
+    gradients' columns may be below 0)."""
+    shared = (rows < context_len) | (rows >= history_end)
+    limit = tl.where(shared, history_end - 1, rows)
+    own = rows >= context_len
+    allowed = (cols[None, :] <= limit[:, None]) | ((cols[None, :] == rows[:, None]) & own[:, None])
+    return allowed & (rows < n)[:, None]
 
 
 @triton.jit
