@@ -191,14 +191,13 @@ def embedding_worker(args, device: str, timer: CommTimer) -> dict:
 # ---- the HSTU workload ------------------------------------------------------------------------
 def hstu_worker(args, device: str, timer: CommTimer) -> dict:
     import lightning as L
-    from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_modules.callbacks import FrozenSetup
     from lightning_modules.config import preset
     from lightning_modules.data_module import SequenceDataModule
     from lightning_modules.flops import sequence_cost, step_flops, step_negatives
     from lightning_modules.module import HSTULightningModule
-    from lightning_modules.train import precision_for
+    from lightning_modules.train import precision_for, strategy_for
 
     world = int(os.environ["WORLD_SIZE"])
     per_gpu = args.batch_size or preset(args.preset).batch_size
@@ -251,7 +250,7 @@ def hstu_worker(args, device: str, timer: CommTimer) -> dict:
 
     passes = Passes()
     accelerator = "gpu" if device == "cuda" else "cpu"
-    strategy = DDPStrategy(ddp_comm_hook=timer.ddp_hook) if world > 1 else "auto"
+    strategy = strategy_for(world, ddp_comm_hook=timer.ddp_hook)
     trainer = L.Trainer(
         accelerator=accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), num_nodes=1, strategy=strategy,
         max_steps=args.warmup + 2 * args.steps, precision=precision_for(accelerator), logger=False, enable_checkpointing=False,

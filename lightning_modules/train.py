@@ -41,6 +41,18 @@ def precision_for(accelerator: str, precision: str = "auto") -> str:
     return "bf16-mixed" if accelerator == "gpu" else "32-true"
 
 
+def strategy_for(world: int, **ddp_options):
+    """Lightning's strategy for `world` processes: the single-device default for one, else
+    DDP with the gradients as views of its all-reduce buckets, so that the averaged buckets
+    are not copied back into the gradients every step (a device copy per weight tensor);
+    ddp_options go to DDPStrategy as well."""
+    if world <= 1:
+        return "auto"
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(gradient_as_bucket_view=True, **ddp_options)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hstu-train", description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", required=True, help="output of the prepare step")
@@ -162,7 +174,7 @@ def main(argv=None) -> Path:
         accelerator=accelerator,
         devices=per_node,
         num_nodes=max(1, world // per_node),
-        strategy="ddp" if world > 1 else "auto",
+        strategy=strategy_for(world),
         precision=precision_for(accelerator, args.precision),
         max_epochs=args.epochs,
         max_steps=args.max_steps,

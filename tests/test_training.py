@@ -129,3 +129,41 @@ def test_ddp_broadcasts_no_buffer_of_the_hstu_module():
         assert {id(p) for p in ddp.parameters() if p.requires_grad} == {id(p) for p in module.model.parameters()}
     finally:
         dist.destroy_process_group()
+
+
+def test_several_processes_train_under_ddp_whose_buckets_hold_the_gradients():
+    """strategy_for: one process, Lightning's default; several, DDP with the gradients as
+    views of its all-reduce buckets (no copy back after each all-reduce) and the options
+    given. Under those options a backward leaves every weight's gradient inside DDP's
+    buckets, equal to the plain gradient (one process: the average of one)."""
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_modules.train import strategy_for
+
+    assert strategy_for(1) == "auto"
+
+    def hook(state, bucket):
+        return torch.futures.Future()
+
+    several = strategy_for(2, ddp_comm_hook=hook)
+    assert isinstance(several, DDPStrategy) and several._ddp_comm_hook is hook
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    x = torch.randn(4, 6)
+    model(x).square().sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model, **several._ddp_kwargs)
+        for _ in range(2):  # the second after zero_grad(set_to_none=True), as training steps
+            ddp(x).square().sum().backward()
+            storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+            assert len(storages) < len(plain)  # views of the buckets, not tensors of their own
+            for p, g in zip(model.parameters(), plain):
+                torch.testing.assert_close(p.grad, g)
+            model.zero_grad(set_to_none=True)
+    finally:
+        dist.destroy_process_group()
