@@ -3,7 +3,7 @@ registers, stack (spilled) bytes and shared memory, and each loop of its SASS wi
 instructions in it by kind. For kernel work between GPU leases: whether a change spills,
 vectorizes its loads, or adds waits and barriers to a loop, seen before a lease times it.
 
-    python benchmarks/kernel_listing.py kernels.norm_mul_dropout.triton_kernels._backward_kernel \\
+    python benchmarks/kernel_listing.py kernels.norm_mul_dropout.triton_kernels._norm_mul_dropout_backward_kernel \\
         --constexprs DROPOUT=True BLOCK_R=4 BLOCK_D=512 --warps 8
     python benchmarks/kernel_listing.py path/to/file.py:kernel_name --types x_ptr=*fp32 ...
 

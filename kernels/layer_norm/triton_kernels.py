@@ -70,7 +70,7 @@ def _input_grad(wg, xhat, rstd, dim):
 
 
 @triton.jit(do_not_specialize=["rows"])  # the row count changes with every batch
-def _forward_kernel(
+def _layer_norm_forward_kernel(
     x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, rows, dim, eps,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -81,7 +81,7 @@ def _forward_kernel(
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _backward_kernel(
+def _layer_norm_backward_kernel(
     grad_ptr, x_ptr, weight_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, rows, dim,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -100,8 +100,8 @@ def _backward_kernel(
     tl.store(db_ptr + program * dim + c, db, mask=c < dim)
 
 
-_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"]))
-_backward = TunedLaunches(autotuned(_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"]))
+_forward = TunedLaunches(autotuned(_layer_norm_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"]))
+_backward = TunedLaunches(autotuned(_layer_norm_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim"]))
 
 
 def _blocks(dim: int) -> tuple[int, int]:

@@ -39,7 +39,7 @@ def _kept(seed_ptr, r, dim, threshold, BLOCK_R: tl.constexpr, BLOCK_D: tl.conste
 
 
 @triton.jit(do_not_specialize=["rows", "threshold"])  # the row count changes with every batch
-def _forward_kernel(
+def _norm_mul_dropout_forward_kernel(
     x_ptr, u_ptr, weight_ptr, bias_ptr, seed_ptr, out_ptr, mean_ptr, rstd_ptr, rows, dim, eps, threshold, scale,
     DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -53,7 +53,7 @@ def _forward_kernel(
 
 
 @triton.jit(do_not_specialize=["rows", "threshold"])
-def _backward_kernel(
+def _norm_mul_dropout_backward_kernel(
     grad_ptr, x_ptr, u_ptr, weight_ptr, bias_ptr, seed_ptr, mean_ptr, rstd_ptr, dx_ptr, du_ptr, dw_ptr, db_ptr, rows, dim,
     threshold, scale, DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -78,8 +78,9 @@ def _backward_kernel(
     tl.store(db_ptr + program * dim + c, db, mask=c < dim)
 
 
-_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim", "DROPOUT"]))
-_backward = TunedLaunches(autotuned(_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=["dim", "DROPOUT"]))
+TUNING_KEY = ["dim", "DROPOUT"]
+_forward = TunedLaunches(autotuned(_norm_mul_dropout_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=TUNING_KEY))
+_backward = TunedLaunches(autotuned(_norm_mul_dropout_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=TUNING_KEY))
 
 
 def keep_threshold(p: float) -> int:

@@ -74,7 +74,7 @@ def _products(a_first, a_ptr, a_idx, a_live, b_ptr, b_idx, b_live, D, D_CHUNKS: 
 
 # P varies from call to call: not specialized (a compilation for P % 16 == 0 mid-training)
 @triton.jit(do_not_specialize=["P"])
-def _forward_kernel(
+def _softmax_cross_entropy_forward_kernel(
     q_ptr, keys_ptr, target_ptr, lse_ptr, loss_ptr, P, M, D, keys_class,
     D_CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -150,7 +150,7 @@ def _backward_keys_kernel(
     tl.atomic_add(at, acc * tl.load(scale_ptr), mask=col_live[:, None] & (out_cols[None, :] < D), sem="relaxed")
 
 
-_forward = TunedLaunches(autotuned(_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
+_forward = TunedLaunches(autotuned(_softmax_cross_entropy_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
 _backward_q = TunedLaunches(autotuned(_backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
 # (adds into dKeys: zeroed before each trial)
 _backward_keys = TunedLaunches(autotuned(
