@@ -7,7 +7,10 @@ runs the kernels in CI, accepts any global; the compiler refuses the others on a
 
 No kernel specializes on a count that changes from call to call (a batch's rows): Triton
 compiles a kernel again for an int divisible by 16 or not, so the first batch of the other
-kind would compile one in the middle of training, on every rank's critical path."""
+kind would compile one in the middle of training, on every rank's critical path.
+
+Every launched kernel has a name no other kernel has: profilers and traces list GPU time
+by the kernel's name, so two ops' kernels of one name read as one op's."""
 import ast
 import importlib
 import inspect
@@ -91,8 +94,14 @@ def test_kernels_read_only_globals_the_compiler_accepts():
 PER_CALL_COUNTS = {"n", "rows", "P"}
 
 
+def _launched() -> list:
+    """The jitted functions launched as kernels (named *_kernel; the rest are helpers the
+    compiler inlines)."""
+    return [k for k in _jitted_objects() if _python_function(k).__name__.endswith("_kernel")]
+
+
 def test_kernels_do_not_specialize_on_per_call_counts():
-    launched = [k for k in _jitted_objects() if _python_function(k).__name__.endswith("_kernel")]
+    launched = _launched()
     assert len(launched) > 40
     specialized = []
     for k in launched:
@@ -101,3 +110,13 @@ def test_kernels_do_not_specialize_on_per_call_counts():
         specialized += [f"{fn.__module__}.{fn.__name__} specializes on {name}"
                         for name in sorted(counts - _not_specialized(k))]
     assert not specialized, specialized
+
+
+def test_every_launched_kernel_has_a_name_of_its_own():
+    where = {}
+    for k in _launched():
+        fn = _python_function(k)
+        where.setdefault(fn.__name__, []).append(fn.__module__)
+    assert len(where) > 40
+    shared = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert not shared, shared

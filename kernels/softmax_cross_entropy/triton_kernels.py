@@ -100,7 +100,7 @@ def _softmax_cross_entropy_forward_kernel(
 
 
 @triton.jit(do_not_specialize=["P"])
-def _backward_q_kernel(
+def _softmax_cross_entropy_backward_q_kernel(
     q_ptr, keys_ptr, target_ptr, lse_ptr, scale_ptr, dq_ptr, P, M, D, keys_class,
     D_CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -124,7 +124,7 @@ def _backward_q_kernel(
 
 
 @triton.jit(do_not_specialize=["P"])
-def _backward_keys_kernel(
+def _softmax_cross_entropy_backward_keys_kernel(
     q_ptr, keys_ptr, target_ptr, lse_ptr, scale_ptr, dkeys_ptr, P, M, D, keys_class,
     D_CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -151,10 +151,10 @@ def _backward_keys_kernel(
 
 
 _forward = TunedLaunches(autotuned(_softmax_cross_entropy_forward_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
-_backward_q = TunedLaunches(autotuned(_backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
+_backward_q = TunedLaunches(autotuned(_softmax_cross_entropy_backward_q_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY))
 # (adds into dKeys: zeroed before each trial)
 _backward_keys = TunedLaunches(autotuned(
-    _backward_keys_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY, reset_to_zero=["dkeys_ptr"]
+    _softmax_cross_entropy_backward_keys_kernel, CONFIGS, INTERPRETER_CONFIG, TUNING_KEY, reset_to_zero=["dkeys_ptr"]
 ))
 
 
