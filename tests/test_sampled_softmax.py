@@ -50,10 +50,14 @@ def plain(q, keys, positive, key_ids, row_ids):
 
 @pytest.mark.parametrize("rows,negatives,dim", [(1, 1, 4), (37, 77, 25), (130, 1500, 50), (5, 0, 8), (5, 1100, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, SIXTEEN_BIT])
-def test_the_row_kernel_matches_the_twin(rows, negatives, dim, dtype):
-    """The kernel's losses, positives' gradients and logits' gradients against the twin's,
-    on the same logits: one block and several (1,100 and 1,500 columns), many rows a
-    program and a few (wide rows: the last program's partly past the last row)."""
+@pytest.mark.parametrize("whole_row", [triton_kernels.MAX_WHOLE_ROW, 256], ids=["whole_rows", "wide_rows_past_256"])
+def test_the_row_kernel_matches_the_twin(rows, negatives, dim, dtype, whole_row, monkeypatch):
+    """The kernels' losses, positives' gradients and logits' gradients against the twin's,
+    on the same logits: rows held whole (many a program, one), and with the whole-row
+    limit lowered, rows walked in one block and several (1,100 and 1,500 columns; the last
+    program's rows partly past the last row). Rows meet their own id among the negatives,
+    some of them several times."""
+    monkeypatch.setattr(triton_kernels, "MAX_WHOLE_ROW", whole_row)
     q, keys, positive, key_ids, row_ids = case(rows + negatives, rows * SCALE, negatives * SCALE, dim, dtype)
     logits = q @ keys.T
     got_logits, want_logits = logits.clone(), logits.clone()
@@ -68,6 +72,24 @@ def test_the_row_kernel_matches_the_twin(rows, negatives, dim, dtype):
     hits = key_ids[None, :] == row_ids[:, None]
     assert bool(hits.any()) or not negatives  # the case has accidental hits
     assert not got_logits[hits].any()  # a negative that is the row's own id has no gradient
+
+
+@pytest.mark.parametrize("negatives", [0, 1, 100, 3000])
+def test_the_id_bitmap_matches_the_twin(negatives):
+    """The bitmap of the negatives' ids (a bit each, set by atomic ors) against the twin's,
+    ids drawn from the whole int64 range with its extremes, repeated ids among them."""
+    gen = torch.Generator().manual_seed(negatives)
+    extremes = torch.tensor([torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max, -1, 0, 1, 1 << 32])
+    drawn = torch.randint(torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max, (negatives,), generator=gen)
+    key_ids = torch.cat([extremes, drawn, drawn[: negatives // 3]])[torch.randperm(negatives + 6 + negatives // 3, generator=gen)][:negatives]
+    shift = triton_kernels.id_bitmap_shift(negatives)
+    got = triton_kernels.id_bitmap(key_ids.to(DEVICE), shift)
+    want = reference.id_bitmap(key_ids.to(DEVICE), shift)
+    assert got.dtype == want.dtype == torch.int32 and got.shape == want.shape
+    assert got.numel() * 32 >= max(triton_kernels.MIN_ID_BITS, negatives * triton_kernels.ID_BITS_PER_NEGATIVE)
+    assert torch.equal(got, want)
+    set_bits = sum(bin(w & 0xFFFFFFFF).count("1") for w in want.tolist())
+    assert 0.9 * len(set(key_ids.tolist())) <= set_bits <= len(set(key_ids.tolist()))  # few ids share a bit
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, SIXTEEN_BIT])
