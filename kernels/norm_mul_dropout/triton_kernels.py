@@ -7,17 +7,30 @@ dropped-out product. Neither the mask nor the normalized rows are kept: the back
 the mask again from the seed (Philox through tl.randint4x, one call per four columns) and
 the normalized rows from x. Backward: x's and u's gradients row by row; the weight's and
 bias's summed over a program's rows (a program strides over the row blocks), one partial
-row per program, summed after the kernel. Warps are autotuned by width; Triton's
-interpreter runs one configuration.
+row per program, summed after the kernel. On rows of at least SMALL_TILE_WIDTH the
+backward's programs hold BACKWARD_ROW_TILE elements, a quarter of the forward's, and
+there are BACKWARD_PROGRAMS_PER_SM of them a multiprocessor: its tile keeps three inputs,
+two outputs and the mask's words live, and the forward's tile left a multiprocessor two
+programs of 233 registers a thread, too few loads in flight for a pass that only moves
+memory. Narrower rows, whose passes are short, kept the forward's tile and the layer
+norm's MAX_PARTIALS programs faster (benchmarks/train_throughput.md, "norm_mul_dropout's
+backward on smaller tiles"). Warps are autotuned by width; Triton's interpreter runs one
+configuration.
 """
 import torch
 import triton
 import triton.language as tl
 
 from ..autotune import TunedLaunches, autotuned
-from ..layer_norm.triton_kernels import ROW_TILE, _input_grad, _normalized_rows, _renormalized_rows, backward_partials
+from ..launch import multiprocessors
+from ..layer_norm.triton_kernels import MAX_PARTIALS, ROW_TILE, _input_grad, _normalized_rows, _renormalized_rows
 
-CONFIGS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]  # (2 warps spill at these tiles)
+CONFIGS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]  # (2 warps spill at the forward's tiles)
+BACKWARD_ROW_TILE = 1024  # elements a backward program holds at once: rows of BACKWARD_ROW_TILE // width columns
+SMALL_TILE_WIDTH = 512  # the least (padded) width whose backward takes BACKWARD_ROW_TILE
+BACKWARD_CONFIGS = [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8, 16)]
+BACKWARD_INTERPRETER_CONFIG = triton.Config({}, num_warps=2)  # (also the GPU tests' one)
+BACKWARD_PROGRAMS_PER_SM = 8  # backward programs a multiprocessor, each writing one partial row of the sums
 WORDS = 4  # the words of one tl.randint4x call: the mask's columns per counter
 _WORDS = tl.constexpr(WORDS)  # (a kernel reads module constants as constexpr only)
 WORD_VALUES = 1 << 32  # a Philox word is an unsigned 32-bit integer
@@ -80,7 +93,7 @@ def _norm_mul_dropout_backward_kernel(
 
 TUNING_KEY = ["dim", "DROPOUT"]
 _forward = TunedLaunches(autotuned(_norm_mul_dropout_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=TUNING_KEY))
-_backward = TunedLaunches(autotuned(_norm_mul_dropout_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=TUNING_KEY))
+_backward = TunedLaunches(autotuned(_norm_mul_dropout_backward_kernel, BACKWARD_CONFIGS, BACKWARD_INTERPRETER_CONFIG, key=TUNING_KEY))
 
 
 def keep_threshold(p: float) -> int:
@@ -93,10 +106,11 @@ def keep_scale(p: float) -> float:
     return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
-def _blocks(dim: int) -> tuple[int, int]:
-    """(rows a program holds, the width padded to a power of two of at least WORDS)."""
+def _blocks(dim: int, tile: int = ROW_TILE) -> tuple[int, int]:
+    """(rows a program holds at `tile` elements, the width padded to a power of two of at
+    least WORDS)."""
     block_d = max(WORDS, triton.next_power_of_2(max(dim, 1)))
-    return max(1, ROW_TILE // block_d), block_d
+    return max(1, tile // block_d), block_d
 
 
 def norm_mul_dropout_forward(
@@ -128,7 +142,13 @@ def norm_mul_dropout_backward(
     rows, dim = x.shape
     dx, du = torch.empty_like(x), torch.empty_like(u)
     block_r, block_d = _blocks(dim)
-    programs, partial = backward_partials(rows, dim, block_r, x.device)
+    most_programs = MAX_PARTIALS
+    if block_d >= SMALL_TILE_WIDTH:
+        block_r, block_d = _blocks(dim, BACKWARD_ROW_TILE)
+        most_programs = BACKWARD_PROGRAMS_PER_SM * multiprocessors(x.device)
+    programs = max(1, min(triton.cdiv(rows, block_r), most_programs))
+    # (2, programs, dim): the weight's and bias's partial sums, one row a program
+    partial = (torch.empty if rows else torch.zeros)((2, programs, dim), dtype=torch.float32, device=x.device)
     if rows and dim:
         _backward(
             lambda meta: (programs,),
