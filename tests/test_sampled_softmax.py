@@ -92,6 +92,13 @@ def test_the_id_bitmap_matches_the_twin(negatives):
     assert 0.9 * len(set(key_ids.tolist())) <= set_bits <= len(set(key_ids.tolist()))  # few ids share a bit
 
 
+def test_the_id_bitmap_has_bounded_size():
+    sizes = {n: 1 << (64 - triton_kernels.id_bitmap_shift(n)) for n in (0, 1, 16, 16384, 1 << 21, 1 << 30)}
+    assert sizes[0] == sizes[1] == sizes[16] == triton_kernels.MIN_ID_BITS
+    assert sizes[16384] == 16384 * triton_kernels.ID_BITS_PER_NEGATIVE
+    assert sizes[1 << 21] == sizes[1 << 30] == triton_kernels.MAX_ID_BITS
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, SIXTEEN_BIT])
 def test_the_op_on_the_kernel_matches_the_twin_forward_and_backward(dtype):
     inputs = case(7, 70 * SCALE, 300 * SCALE, 40, dtype)

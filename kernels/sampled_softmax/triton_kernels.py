@@ -33,6 +33,7 @@ ROW_BLOCK_ELEMENTS = 4096  # rows × columns a program holds at least: narrow lo
 WIDE_ROWS_PER_PROGRAM = 2  # rows a program walks where they are wider than MAX_WHOLE_ROW
 ID_BITS_PER_NEGATIVE = 64  # the bitmap's size: a row without a hit finds its bit set about once in this many
 MIN_ID_BITS = 1 << 10
+MAX_ID_BITS = 1 << 27  # (16 MB: past 2²¹ negatives, more rows compare ids instead of a larger bitmap)
 ID_MARK_BLOCK = 1024  # negatives' ids a program of id_bitmap marks
 # (2⁶⁴ / golden ratio, odd, as a signed 64-bit integer): its product spreads ids over the top bits
 ID_HASH_MULTIPLIER = -7046029254386353131
@@ -56,8 +57,9 @@ def _id_bitmap_kernel(key_ids_ptr, bitmap_ptr, N, shift, BLOCK: tl.constexpr):
 
 def id_bitmap_shift(negatives: int) -> int:
     """The right shift of id_bitmap's hash: 64 - log2 of its bits (ID_BITS_PER_NEGATIVE a
-    negative, at least MIN_ID_BITS)."""
-    return 64 - max(MIN_ID_BITS, next_power_of_2(max(negatives, 1)) * ID_BITS_PER_NEGATIVE).bit_length() + 1
+    negative, between MIN_ID_BITS and MAX_ID_BITS)."""
+    bits = min(MAX_ID_BITS, max(MIN_ID_BITS, next_power_of_2(max(negatives, 1)) * ID_BITS_PER_NEGATIVE))
+    return 64 - bits.bit_length() + 1
 
 
 def id_bitmap(key_ids: torch.Tensor, shift: int) -> torch.Tensor:
