@@ -12,10 +12,10 @@ backward's programs hold BACKWARD_ROW_TILE elements, a quarter of the forward's,
 there are BACKWARD_PROGRAMS_PER_SM of them a multiprocessor: its tile keeps three inputs,
 two outputs and the mask's words live, and the forward's tile left a multiprocessor two
 programs of 233 registers a thread, too few loads in flight for a pass that only moves
-memory. Narrower rows, whose passes are short, kept the forward's tile and the layer
-norm's MAX_PARTIALS programs faster (benchmarks/train_throughput.md, "norm_mul_dropout's
-backward on smaller tiles"). Warps are autotuned by width; Triton's interpreter runs one
-configuration.
+memory. Narrower rows, whose passes are short, kept the forward's tile, warps and the
+layer norm's MAX_PARTIALS programs faster (benchmarks/train_throughput.md,
+"norm_mul_dropout's backward on smaller tiles"). Warps are autotuned by width; Triton's
+interpreter runs one configuration.
 """
 import torch
 import triton
@@ -28,8 +28,8 @@ from ..layer_norm.triton_kernels import MAX_PARTIALS, ROW_TILE, _input_grad, _no
 CONFIGS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]  # (2 warps spill at the forward's tiles)
 BACKWARD_ROW_TILE = 1024  # elements a backward program holds at once: rows of BACKWARD_ROW_TILE // width columns
 SMALL_TILE_WIDTH = 512  # the least (padded) width whose backward takes BACKWARD_ROW_TILE
-BACKWARD_CONFIGS = [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8, 16)]
-BACKWARD_INTERPRETER_CONFIG = triton.Config({}, num_warps=2)  # (also the GPU tests' one)
+SMALL_TILE_CONFIGS = [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8, 16)]
+SMALL_TILE_INTERPRETER_CONFIG = triton.Config({}, num_warps=2)  # (also the GPU tests' one)
 BACKWARD_PROGRAMS_PER_SM = 8  # backward programs a multiprocessor, each writing one partial row of the sums
 WORDS = 4  # the words of one tl.randint4x call: the mask's columns per counter
 _WORDS = tl.constexpr(WORDS)  # (a kernel reads module constants as constexpr only)
@@ -93,7 +93,10 @@ def _norm_mul_dropout_backward_kernel(
 
 TUNING_KEY = ["dim", "DROPOUT"]
 _forward = TunedLaunches(autotuned(_norm_mul_dropout_forward_kernel, CONFIGS, INTERPRETER_CONFIG, key=TUNING_KEY))
-_backward = TunedLaunches(autotuned(_norm_mul_dropout_backward_kernel, BACKWARD_CONFIGS, BACKWARD_INTERPRETER_CONFIG, key=TUNING_KEY))
+_backward = TunedLaunches(autotuned(_norm_mul_dropout_backward_kernel, CONFIGS, INTERPRETER_CONFIG, key=TUNING_KEY))
+_backward_small_tiles = TunedLaunches(
+    autotuned(_norm_mul_dropout_backward_kernel, SMALL_TILE_CONFIGS, SMALL_TILE_INTERPRETER_CONFIG, key=TUNING_KEY),
+)
 
 
 def keep_threshold(p: float) -> int:
@@ -142,15 +145,15 @@ def norm_mul_dropout_backward(
     rows, dim = x.shape
     dx, du = torch.empty_like(x), torch.empty_like(u)
     block_r, block_d = _blocks(dim)
-    most_programs = MAX_PARTIALS
+    launches, most_programs = _backward, MAX_PARTIALS
     if block_d >= SMALL_TILE_WIDTH:
         block_r, block_d = _blocks(dim, BACKWARD_ROW_TILE)
-        most_programs = BACKWARD_PROGRAMS_PER_SM * multiprocessors(x.device)
+        launches, most_programs = _backward_small_tiles, BACKWARD_PROGRAMS_PER_SM * multiprocessors(x.device)
     programs = max(1, min(triton.cdiv(rows, block_r), most_programs))
     # (2, programs, dim): the weight's and bias's partial sums, one row a program
     partial = (torch.empty if rows else torch.zeros)((2, programs, dim), dtype=torch.float32, device=x.device)
     if rows and dim:
-        _backward(
+        launches(
             lambda meta: (programs,),
             (grad.contiguous(), x, u, weight, bias, seed, mean, rstd, dx, du, partial[0], partial[1], rows, dim,
              keep_threshold(p), keep_scale(p)),
