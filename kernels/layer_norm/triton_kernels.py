@@ -110,11 +110,13 @@ def _blocks(dim: int) -> tuple[int, int]:
     return max(1, ROW_TILE // block_d), block_d
 
 
-def backward_partials(rows: int, dim: int, block_r: int, device: torch.device) -> tuple[int, torch.Tensor]:
-    """(the backward's programs, at most MAX_PARTIALS, each over blocks of block_r rows;
+def backward_partials(
+    rows: int, dim: int, block_r: int, device: torch.device, most_programs: int = MAX_PARTIALS,
+) -> tuple[int, torch.Tensor]:
+    """(the backward's programs, at most most_programs, each over blocks of block_r rows;
     (2, programs, dim) float32 for the weight's and bias's partial sums, one row a program,
     zeros where there are no rows to write them)."""
-    programs = max(1, min(triton.cdiv(rows, block_r), MAX_PARTIALS))
+    programs = max(1, min(triton.cdiv(rows, block_r), most_programs))
     return programs, (torch.empty if rows else torch.zeros)((2, programs, dim), dtype=torch.float32, device=device)
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..autotune import TunedLaunches, autotuned
 from ..launch import multiprocessors
-from ..layer_norm.triton_kernels import MAX_PARTIALS, ROW_TILE, _input_grad, _normalized_rows, _renormalized_rows
+from ..layer_norm.triton_kernels import MAX_PARTIALS, ROW_TILE, _input_grad, _normalized_rows, _renormalized_rows, backward_partials
 
 CONFIGS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]  # (2 warps spill at the forward's tiles)
 BACKWARD_ROW_TILE = 1024  # elements a backward program holds at once: rows of BACKWARD_ROW_TILE // width columns
@@ -149,9 +149,7 @@ def norm_mul_dropout_backward(
     if block_d >= SMALL_TILE_WIDTH:
         block_r, block_d = _blocks(dim, BACKWARD_ROW_TILE)
         launches, most_programs = _backward_small_tiles, BACKWARD_PROGRAMS_PER_SM * multiprocessors(x.device)
-    programs = max(1, min(triton.cdiv(rows, block_r), most_programs))
-    # (2, programs, dim): the weight's and bias's partial sums, one row a program
-    partial = (torch.empty if rows else torch.zeros)((2, programs, dim), dtype=torch.float32, device=x.device)
+    programs, partial = backward_partials(rows, dim, block_r, x.device, most_programs)
     if rows and dim:
         launches(
             lambda meta: (programs,),

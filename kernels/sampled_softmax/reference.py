@@ -27,7 +27,6 @@ def softmax_rows(
     return torch.logsumexp(full, dim=1) - full[:, 0], probs[:, 0] - 1.0
 
 
-
 def id_bitmap(key_ids: torch.Tensor, shift: int) -> torch.Tensor:
     """(2^(64 - shift) / 32,) int32 words: bit b (word b // 32, bit b % 32) is set where b
     is the top 64 - shift bits of some negative's id times the multiplier (as unsigned
