@@ -477,12 +477,15 @@ def test_dq_and_bias_grads_from_score_grads_match_the_twins(monkeypatch, dtype, 
         assert g.dtype == torch.float32 and g.shape == w.shape and close(g, w, 2e-5)
 
 
-# the interpreter's tiling, and blocks of fewer rows than keys (as the GPU's tilings): the
-# tiles of a band then share key blocks with the tiles before them
-BAND_TILINGS = [None, triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BAND_TILES": 2}, num_warps=4, num_stages=2)]
+# the interpreter's tiling; blocks of fewer rows than keys (as most of the GPU's tilings):
+# the tiles of a band then share key blocks with the tiles before them; and blocks of more
+# rows than keys (as the GPU's 64 x 32): the bands from the diagonal's up to BLOCK_M - 1
+# keys past it then hold the diagonal blocks' pairs past their first BLOCK_N keys
+BAND_TILINGS = [None, triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BAND_TILES": 2}, num_warps=4, num_stages=2),
+                triton.Config({"BLOCK_M": 32, "BLOCK_N": 8, "BAND_TILES": 2}, num_warps=4, num_stages=2)]
 
 
-@pytest.mark.parametrize("tiling", BAND_TILINGS, ids=["interpreter", "16x32x2"])
+@pytest.mark.parametrize("tiling", BAND_TILINGS, ids=["interpreter", "16x32x2", "32x8x2"])
 @pytest.mark.parametrize("context_len", [0, 3, 40])
 def test_bias_grads_of_blocks_of_targets_match_the_twin(context_len, tiling):
     """bias_grads_from_score_grads where whole blocks of rows are targets (which attend to

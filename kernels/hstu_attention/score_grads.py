@@ -223,15 +223,25 @@ def _band_run(
     return acc
 
 
+@triton.jit
+def _diagonal_reach(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The greatest band offset (a multiple of BLOCK_N) whose tiles hold a pair of a row
+    with a key at or before it: a diagonal block's rows reach BLOCK_M - 1 keys past its
+    first row, so with blocks of more rows than keys the bands up to that offset hold
+    pairs that every row attends to, not only the context's."""
+    return (BLOCK_M - 1) // BLOCK_N * BLOCK_N
+
+
 def band_grid(max_seq_len: int, sequences: int, context: bool):
     """The bias-gradient kernel's grid: (bands × chunks of BAND_TILES row blocks, sequences),
     where a band is the tiles whose keys start a fixed offset o from their rows, o a
-    multiple of BLOCK_N from that of a sequence's last row block's first key to 0 (the
-    diagonal), and past 0 to max_seq_len where a context prefix attends to later keys."""
+    multiple of BLOCK_N from that of a sequence's last row block's first key to the last
+    offset that holds a pair of a diagonal block (_diagonal_reach: 0 where BLOCK_M <=
+    BLOCK_N), and past it to max_seq_len where a context prefix attends to later keys."""
     def grid(meta):
         m, n = meta["BLOCK_M"], meta["BLOCK_N"]
         blocks = cdiv(max_seq_len, m)
-        bands = cdiv((blocks - 1) * m, n) + 1 + (cdiv(max_seq_len, n) if context else 0)
+        bands = cdiv((blocks - 1) * m, n) + 1 + (m - 1) // n + (cdiv(max_seq_len, n) if context else 0)
         return bands * cdiv(blocks, meta["BAND_TILES"]), sequences
     return grid
 
@@ -255,8 +265,8 @@ def _bias_grads_kernel(
     o = (tl.program_id(0) // chunks - tl.cdiv((blocks - 1) * BLOCK_M, BLOCK_N)) * BLOCK_N  # the band's key offset
     first = tl.program_id(0) % chunks * BAND_TILES
     last = tl.minimum(first + BAND_TILES, tl.cdiv(n, BLOCK_M))
-    # past the diagonal band only the context's rows attend
-    last = tl.where(o > 0, tl.minimum(last, tl.cdiv(context_len, BLOCK_M)), last)
+    # past the bands of the diagonal blocks only the context's rows attend
+    last = tl.where(o > _diagonal_reach(BLOCK_M, BLOCK_N), tl.minimum(last, tl.cdiv(context_len, BLOCK_M)), last)
     below = tl.maximum(-o, 0)  # (rows r0 from which every key is 0 or more)
     first = tl.maximum(first, tl.cdiv(tl.maximum(below - BLOCK_N + 1, 0), BLOCK_M))  # (a key at 0 or more)
     if first >= last:
