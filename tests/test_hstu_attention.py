@@ -5,7 +5,11 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from kernels.hstu_attention import allowed_pairs, attention_kernels, hstu_attention, reference, score_grads, time_buckets, triton_kernels
+from conftest import tuned_to
+
+from kernels.hstu_attention import (
+    allowed_pairs, attention_kernels, bias_tiles, hstu_attention, reference, score_grads, time_buckets, triton_kernels,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 4 if DEVICE == "cuda" else 1  # sequences and length on a GPU
@@ -215,38 +219,43 @@ def test_bad_input_is_refused_with_the_problem_named():
         hstu_attention(q, q, q, offsets, timestamps, torch.zeros(7), time_bias, 4, num_targets=torch.tensor([1, 2]))
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter runs one configuration")
-@pytest.mark.parametrize("stored", [False, True])
-def test_every_tuning_configuration_matches_the_twin(monkeypatch, stored):
+@pytest.mark.parametrize("stored, prepass", [(False, False), (True, False), (True, True)],
+                         ids=["recomputing", "stored", "stored_and_prepass"])
+def test_every_tuning_configuration_matches_the_twin(monkeypatch, stored, prepass):
     """Each configuration of the kernels of one backward: recomputing dQ from the scores
     (a buffer of no bytes), or from stored dS (score_grads.py, whose two kernels have
-    configurations of their own, taken in step with the others')."""
+    configurations of their own, taken in step with the others'); the biases computed per
+    tile, or, where dS is stored (the prepass's buffer shares its budget), read from the
+    pair biases' prepass (bias_tiles.py, its configurations too). The interpreter runs each
+    tiling's blocks too (not its warps and stages), in float32 on shorter sequences."""
     if not stored:
         monkeypatch.setattr(triton_kernels, "SCORE_GRADS_BUFFER_BYTES", 0)
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES", prepass)
+    monkeypatch.setattr(triton_kernels, "PAIR_BIAS_TILES_MIN_LENGTH", 0)
     tuned = [attention_kernels._forward, attention_kernels._backward_kv, attention_kernels._backward_q]
     configs = [attention_kernels.CONFIGS] * 3
     if stored:
         tuned += [score_grads._dq, score_grads._bias_grads]
         configs += [score_grads.DQ_CONFIGS, score_grads.BIAS_CONFIGS]
-    all_configs = [t.tuner.configs for t in tuned]
-    try:
-        for i in range(max(len(c) for c in configs)):
-            for t, c in zip(tuned, configs):
-                t.tuner.configs = [c[i % len(c)]]
-                t.forget()
-            max_seq_len = 300
+    if prepass:
+        tuned.append(bias_tiles._pair_biases)
+        configs.append(bias_tiles.CONFIGS)
+    # (every tiling's blocks meet several row and key blocks, the diagonal's among them)
+    if DEVICE == "cuda":
+        dtype, lengths, max_seq_len = torch.bfloat16, [5, 0, 133, 1, 264, 270, 17] * 4, 300
+    else:
+        dtype, lengths, max_seq_len = torch.float32, [5, 0, 133, 1, 150, 17], 160
+    for i in range(max(len(c) for c in configs)):
+        with tuned_to(*((t, c[i % len(c)]) for t, c in zip(tuned, configs))):
             for heads, context_len in ((2, 0), (2, 3), (1, 3)):  # (the forward runs an even head count in pairs)
-                tensors, offsets, num_targets = case(i, [5, 0, 133, 1, 264, 270, 17] * 4, heads, 64, 64, max_seq_len, torch.bfloat16, True)
-                upstream = torch.randn(tensors["v"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+                tensors, offsets, num_targets = case(i, lengths, heads, 64, 64, max_seq_len, dtype, True)
+                upstream = torch.randn(tensors["v"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
                 got, got_grads = run("triton", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
+                assert all(t.chosen for t in tuned if t is not attention_kernels._backward_q or not stored), "a kernel did not run"
                 want, want_grads = run("reference", tensors, offsets, max_seq_len, num_targets, context_len, upstream)
-                assert close(got, want, TOLERANCE[torch.bfloat16]), i
+                assert close(got, want, TOLERANCE[dtype]), i
                 for name, g in want_grads.items():
-                    assert close(got_grads[name], g, TOLERANCE[torch.bfloat16] * 4), (i, name)
-    finally:
-        for t, c in zip(tuned, all_configs):
-            t.tuner.configs = c
-            t.forget()
+                    assert close(got_grads[name], g, TOLERANCE[dtype] * 4), (i, name)
 
 
 def test_later_launches_reuse_the_tuners_choice_and_give_the_same_result():
@@ -514,15 +523,8 @@ def attended_score_grads(lengths, targets, context_len, heads, max_seq_len, gen)
 def bias_grads_match_the_twin(ds, args, tiling) -> bool:
     """Whether bias_grads_from_score_grads(ds, *args) at tiling (None: the tuner's own
     configurations) is within 2e-5 of the twin's."""
-    tuned, configs = score_grads._bias_grads, score_grads._bias_grads.tuner.configs
-    if tiling is not None:
-        tuned.tuner.configs = [tiling]
-        tuned.forget()
-    try:
+    with tuned_to(*[(score_grads._bias_grads, tiling)] if tiling is not None else []):
         got = triton_kernels.bias_grads_from_score_grads(ds, *args)
-    finally:
-        tuned.tuner.configs = configs
-        tuned.forget()
     want = reference.bias_grads_from_score_grads(ds, *args)
     return all(close(g, w, 2e-5) for g, w in zip(got, want))
 

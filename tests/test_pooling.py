@@ -3,8 +3,9 @@ on a CPU), and the twin against a per-bag loop and torch's autograd."""
 import pytest
 import torch
 
+from conftest import tuned_to
 from kernels import pooling
-from kernels.pooling import reference
+from kernels.pooling import reference, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 64 if DEVICE == "cuda" else 1  # bags per batch and table rows on a GPU
@@ -44,6 +45,30 @@ def test_pooling_matches_the_twin_forward_and_backward(batch, longest, rows, dim
         pooling.pool(w, indices, offsets, mode, backend=backend).backward(upstream)
         grads.append(w.grad.float())
     assert torch.allclose(*grads, atol=TOLERANCE[dtype] * max(longest, 1), rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("config", triton_kernels.CONFIGS, ids=lambda c: f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_D']}")
+def test_every_tuning_configuration_matches_the_twin(config):
+    """Each tiling of the forward and backward kernels (the interpreter runs its blocks,
+    not its warps): bags longer than its rows a step and rows wider than its columns."""
+    gen = torch.Generator().manual_seed(3)
+    rows, dim = 50 * SCALE, 300
+    indices, offsets = bags(gen, 9 * SCALE, 70, rows)
+    indices, offsets = indices.to(DEVICE), offsets.to(DEVICE)
+    weight = torch.randn(rows, dim, generator=gen).to(DEVICE)
+    upstream = torch.randn(9 * SCALE, dim, generator=gen).to(DEVICE)
+    with tuned_to((triton_kernels._pool, config), (triton_kernels._pool_backward, config)):
+        for mode in ("sum", "mean"):
+            got = []
+            for backend in ("triton", "reference"):
+                w = weight.clone().requires_grad_(True)
+                pooled = pooling.pool(w, indices, offsets, mode, backend=backend)
+                pooled.backward(upstream)
+                got.append((pooled.detach(), w.grad))
+            assert triton_kernels._pool.best_config is config and triton_kernels._pool_backward.best_config is config
+            (pooled, grad), (want, want_grad) = got
+            assert torch.allclose(pooled, want, atol=1e-5, rtol=1e-5), mode
+            assert torch.allclose(grad, want_grad, atol=1e-4, rtol=1e-5), mode
 
 
 def test_the_twin_is_a_loop_over_bags_and_passes_gradcheck():

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.softmax_cross_entropy import reference, softmax_cross_entropy
+from conftest import tuned_to
+from kernels.softmax_cross_entropy import reference, softmax_cross_entropy, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 32 if DEVICE == "cuda" else 1  # rows and keys on a GPU
@@ -51,6 +52,21 @@ def test_the_kernels_match_the_twin_forward_and_backward(rows, keys, dim, dtype)
     for g, w in zip(got[1:], want[1:]):
         assert g.dtype == dtype and g.isfinite().all()
         torch.testing.assert_close(g.float(), w.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("config", triton_kernels.CONFIGS, ids=lambda c: f"{c.kwargs['BLOCK_P']}x{c.kwargs['BLOCK_M']}")
+def test_every_tuning_configuration_matches_the_twin(config):
+    """Each tiling of the three kernels (the interpreter runs its blocks, not its warps and
+    stages): rows and keys over several of its largest blocks, a partial one at the end."""
+    q, k, target = case(11, 300 * SCALE, 290 * SCALE, 40, torch.float32)
+    upstream = torch.tensor(1.5, device=DEVICE)
+    tuned = (triton_kernels._forward, triton_kernels._backward_q, triton_kernels._backward_keys)
+    with tuned_to(*((t, config) for t in tuned)):
+        got = loss_and_grads("triton", q, k, target, upstream)
+        assert all(t.chosen for t in tuned), "a kernel did not run"
+    want = loss_and_grads("reference", q, k, target, upstream)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 def test_the_kernels_under_autocast_multiply_in_its_dtype():
