@@ -1,6 +1,7 @@
 """Autotuning that Triton's interpreter can run: on a device a kernel is tuned over its
 configurations; under TRITON_INTERPRET=1 (tests on a CPU), or with HSTU_AUTOTUNE=0 (tests
 on a GPU, where tuning every shape would compile every configuration), it runs one."""
+import contextlib
 import os
 
 import torch
@@ -62,3 +63,27 @@ class TunedLaunches:
         """Drops every choice (the autotuner's too): the next launch of each key tunes again."""
         self.chosen.clear()
         self.tuner.cache.clear()
+
+
+@contextlib.contextmanager
+def tuned_to(*pairs):
+    """Within the block, each autotuned kernel of (kernel, configuration) pairs tunes over
+    that one configuration (its first launch of each key takes it, untimed): a
+    TunedLaunches, or a kernel wrapped by triton.autotune. For tests of every configuration
+    (under the interpreter a configuration's blocks run, its warps and stages do not) and
+    benchmarks of one. The kernels' own configurations come back after, and their choices
+    are dropped."""
+    def forget(kernel):
+        kernel.forget() if hasattr(kernel, "forget") else kernel.cache.clear()
+
+    tuners = [(getattr(kernel, "tuner", kernel), kernel) for kernel, _ in pairs]
+    saved = [tuner.configs for tuner, _ in tuners]
+    try:
+        for (tuner, kernel), (_, config) in zip(tuners, pairs):
+            tuner.configs = [config]
+            forget(kernel)
+        yield
+    finally:
+        for (tuner, kernel), configs in zip(tuners, saved):
+            tuner.configs = configs
+            forget(kernel)

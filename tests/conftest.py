@@ -1,4 +1,3 @@
-import contextlib
 import os
 import socket
 import sys
@@ -42,28 +41,6 @@ def assert_same_rows(a, b) -> None:
     assert torch.equal(ka[oa], kb[ob]) and torch.equal(ca[oa], cb[ob])
     torch.testing.assert_close(ea[oa], eb[ob], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sa[oa], sb[ob], rtol=1e-5, atol=1e-6)
-
-
-@contextlib.contextmanager
-def tuned_to(*pairs):
-    """Within the block, each autotuned kernel of (kernel, configuration) pairs tunes over
-    that one configuration: a kernels.autotune.TunedLaunches, or a triton.autotune one.
-    Under the interpreter a configuration's blocks run (its warps and stages do not). The
-    kernels' own configurations come back after, and their choices are dropped."""
-    def forget(kernel):
-        kernel.forget() if hasattr(kernel, "forget") else kernel.cache.clear()
-
-    tuners = [(getattr(kernel, "tuner", kernel), kernel) for kernel, _ in pairs]
-    saved = [tuner.configs for tuner, _ in tuners]
-    try:
-        for (tuner, kernel), (_, config) in zip(tuners, pairs):
-            tuner.configs = [config]
-            forget(kernel)
-        yield
-    finally:
-        for (tuner, kernel), configs in zip(tuners, saved):
-            tuner.configs = configs
-            forget(kernel)
 
 
 def free_port() -> int:

@@ -5,8 +5,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from conftest import tuned_to
-
+from kernels.autotune import tuned_to
 from kernels.hstu_attention import (
     allowed_pairs, attention_kernels, bias_tiles, hstu_attention, reference, score_grads, time_buckets, triton_kernels,
 )

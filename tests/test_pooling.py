@@ -3,8 +3,8 @@ on a CPU), and the twin against a per-bag loop and torch's autograd."""
 import pytest
 import torch
 
-from conftest import tuned_to
 from kernels import pooling
+from kernels.autotune import tuned_to
 from kernels.pooling import reference, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

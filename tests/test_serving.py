@@ -7,7 +7,6 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tuned_to
+from kernels.autotune import tuned_to
 from kernels.softmax_cross_entropy import reference, softmax_cross_entropy, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
