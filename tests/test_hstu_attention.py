@@ -528,13 +528,10 @@ def bias_grads_match_the_twin(ds, args, tiling) -> bool:
     return all(close(g, w, 2e-5) for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("tiling", [
-    triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BAND_TILES": 16}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BAND_TILES": 8}, num_warps=4, num_stages=2),
-], ids=["16x32x16", "32x32x8"])
+@pytest.mark.parametrize("tiling", score_grads.BIAS_CONFIGS, ids=lambda c: "x".join(str(v) for v in c.kwargs.values()))
 def test_bias_grads_of_long_bands_of_changing_buckets_match_the_twin(monkeypatch, tiling):
-    """bias_grads_from_score_grads with the tiles of two time buckets on, at tilings whose
-    programs walk many tiles of a band (the GPU's): timestamps evenly spaced (a band's
+    """bias_grads_from_score_grads with the tiles of two time buckets on, at the GPU's
+    tilings, whose programs walk many tiles of a band: timestamps evenly spaced (a band's
     buckets stay the same along it), spaced ever wider (they change every tile or two),
     and spaced at random, so that a program's run of unmasked tiles holds tiles of the
     same lower bucket in a row, changes of bucket, and tiles of three buckets or more
