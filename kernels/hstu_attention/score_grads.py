@@ -241,7 +241,8 @@ def band_grid(max_seq_len: int, sequences: int, context: bool):
     def grid(meta):
         m, n = meta["BLOCK_M"], meta["BLOCK_N"]
         blocks = cdiv(max_seq_len, m)
-        bands = cdiv((blocks - 1) * m, n) + 1 + (m - 1) // n + (cdiv(max_seq_len, n) if context else 0)
+        diagonal = _diagonal_reach.fn(m, n) // n  # (the kernel's own rule, on the host's ints)
+        bands = cdiv((blocks - 1) * m, n) + 1 + diagonal + (cdiv(max_seq_len, n) if context else 0)
         return bands * cdiv(blocks, meta["BAND_TILES"]), sequences
     return grid
 
