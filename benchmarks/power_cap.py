@@ -15,6 +15,7 @@ is timed for the forward's configurations, and the forward + backward (eager) fo
 dK dV and dQ kernels'.
 """
 import argparse
+import statistics
 import subprocess
 import sys
 import threading
@@ -43,7 +44,7 @@ HEADS, DIM = 4, 128
 
 
 def _median(values: list[float]) -> float | None:
-    return sorted(values)[len(values) // 2] if values else None
+    return statistics.median(values) if values else None
 
 
 class PowerSamples:

@@ -74,7 +74,10 @@ def tuned_to(*pairs):
     benchmarks of one. The kernels' own configurations come back after, and their choices
     are dropped."""
     def forget(kernel):
-        kernel.forget() if hasattr(kernel, "forget") else kernel.cache.clear()
+        if isinstance(kernel, TunedLaunches):
+            kernel.forget()
+        else:
+            kernel.cache.clear()
 
     tuners = [(getattr(kernel, "tuner", kernel), kernel) for kernel, _ in pairs]
     saved = [tuner.configs for tuner, _ in tuners]

@@ -10,12 +10,12 @@ bias's summed over a program's rows (a program strides over the row blocks), one
 row per program, summed after the kernel. On rows of at least SMALL_TILE_WIDTH the
 backward's programs hold BACKWARD_ROW_TILE elements, a quarter of the forward's, and
 there are BACKWARD_PROGRAMS_PER_SM of them a multiprocessor: its tile keeps three inputs,
-two outputs and the mask's words live, and the forward's tile left a multiprocessor two
-programs of 233 registers a thread, too few loads in flight for a pass that only moves
-memory. Narrower rows, whose passes are short, kept the forward's tile, warps and the
-layer norm's MAX_PARTIALS programs faster (benchmarks/train_throughput.md,
-"norm_mul_dropout's backward on smaller tiles"). Warps are autotuned by width; Triton's
-interpreter runs one configuration.
+two outputs and the mask's words live, so the forward's larger tile left too few programs
+a multiprocessor, and too few loads in flight, for a pass that only moves memory.
+Narrower rows, whose passes are short, kept the forward's tile, warps and the layer
+norm's MAX_PARTIALS programs faster (benchmarks/train_throughput.md, "norm_mul_dropout's
+backward on smaller tiles"). Warps are autotuned by width; Triton's interpreter runs one
+configuration.
 """
 import torch
 import triton

@@ -27,6 +27,7 @@ from ..launch import cdiv, launch, next_power_of_2
 
 MAX_WHOLE_ROW = 32768  # the widest rows a program holds whole (at most 32 warps of 32 logits a thread)
 LOGITS_PER_THREAD = 32  # what sets a whole-row program's warps
+THREADS_PER_WARP = 32
 MAX_WARPS = 32
 MAX_BLOCK_N = 1024  # logits columns per step where rows are walked
 ROW_BLOCK_ELEMENTS = 4096  # rows × columns a program holds at least: narrow logits take more rows
@@ -182,7 +183,7 @@ def softmax_rows(
     block_n = max(16, next_power_of_2(N))
     if block_n <= MAX_WHOLE_ROW:
         rows = max(1, ROW_BLOCK_ELEMENTS // block_n)
-        warps = min(MAX_WARPS, max(1, rows * block_n // (LOGITS_PER_THREAD * 32)))
+        warps = min(MAX_WARPS, max(1, rows * block_n // (LOGITS_PER_THREAD * THREADS_PER_WARP)))
         launch(_softmax_whole_rows_kernel, (cdiv(P, rows),), *args, ROWS=rows, BLOCK_N=block_n,
                WALK_N=min(block_n, MAX_BLOCK_N), num_warps=warps)
     else:
