@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kernel_listing import compile_kernel  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
-
+from kernels.autotune import config_label  # noqa: E402
 from kernels.hstu_attention import attention_kernels as ak, score_grads, triton_kernels as tk  # noqa: E402
 
 # the most shared memory a block may take (bytes), by compute capability
@@ -84,7 +84,7 @@ def main() -> None:
         for label, kernel, configs, constants in kernels:
             for config in configs:
                 need = shared_bytes(kernel, config, args.arch, constants)
-                tiling = f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
+                tiling = config_label(config)
                 rows.append({"arch": args.arch, "head_dim": dim, "kernel": label, "tiling": tiling, "shared_bytes": need, "fits": need <= limit})
                 print(f"{dim:>4}  {label:<27}{tiling:<28}{need:>9}  {'fits' if need <= limit else 'too large'}", flush=True)
     write_results("hstu_attention_smem", rows, args.out or str(Path(__file__).parent / "results" / f"hstu_attention_smem_sm{args.arch}.json"),

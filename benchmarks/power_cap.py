@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.graph_replay import replayed  # noqa: E402
 from benchmarks.hstu_attention import inputs  # noqa: E402
 from benchmarks.results_path import write_results  # noqa: E402
-from kernels.autotune import tuned_to  # noqa: E402
+from kernels.autotune import config_label, tuned_to  # noqa: E402
 from kernels.hstu_attention import attention_kernels, hstu_attention, score_grads  # noqa: E402
 
 NVIDIA_SMI_QUERY = "power.draw,clocks.sm,clocks_throttle_reasons.active,utilization.gpu"
@@ -127,11 +127,11 @@ def main() -> None:
             for config in configs:
                 with tuned_to((kernel, config)):
                     fn()  # (compiles it)
-                    rows.append(timed(name, fn, TILING_S, config=str(config), picked=str(config) in picked))
-    print(f"{'run':30} {'config':58} {'back to back':>12} {'do_bench':>9} {'W':>6} {'MHz':>6}")
+                    rows.append(timed(name, fn, TILING_S, config=config_label(config), picked=str(config) in picked))
+    print(f"{'run':30} {'config':36} {'back to back':>12} {'do_bench':>9} {'W':>6} {'MHz':>6}")
     for r in rows:
-        config = r.get("config", "").split(", num_ctas")[0] + (" (picked)" if r.get("picked") else "")
-        print(f"{r['run']:30} {config:58} {r['back_to_back_ms']:12.3f} {r['do_bench_ms']:9.3f} {r['power_w'] or 0:6.0f} "
+        config = r.get("config", "") + (" (picked)" if r.get("picked") else "")
+        print(f"{r['run']:30} {config:36} {r['back_to_back_ms']:12.3f} {r['do_bench_ms']:9.3f} {r['power_w'] or 0:6.0f} "
               f"{r['sm_mhz'] or 0:6.0f}")
     write_results("power_cap", rows, args.out, batch=args.batch, shape=f"B{args.batch} N{LENGTH} H{HEADS} D{DIM} bf16")
 

@@ -20,6 +20,13 @@ def tuning() -> bool:
     return not interpreting() and os.environ.get(AUTOTUNE_ENV, "1") != "0"
 
 
+def config_label(config: triton.Config) -> str:
+    """A configuration in a table's words: its block sizes joined by x, its warps and stages
+    ("64x32, 4 warps, 3 stages")."""
+    blocks = "x".join(str(v) for v in config.kwargs.values())
+    return f"{blocks}, {config.num_warps} warps, {config.num_stages} stages"
+
+
 def autotuned(kernel, configs: list, interpreter_config, key: list[str], reset_to_zero: list[str] | None = None):
     """kernel tuned over configs by the arguments named in key (interpreter_config alone
     where not tuning). reset_to_zero: outputs that the kernel adds into, zeroed before
