@@ -20,11 +20,15 @@ def tuning() -> bool:
     return not interpreting() and os.environ.get(AUTOTUNE_ENV, "1") != "0"
 
 
+def config_blocks(config: triton.Config) -> str:
+    """A configuration's block sizes joined by x ("64x32"): a test's id for it."""
+    return "x".join(str(v) for v in config.kwargs.values())
+
+
 def config_label(config: triton.Config) -> str:
-    """A configuration in a table's words: its block sizes joined by x, its warps and stages
-    ("64x32, 4 warps, 3 stages")."""
-    blocks = "x".join(str(v) for v in config.kwargs.values())
-    return f"{blocks}, {config.num_warps} warps, {config.num_stages} stages"
+    """A configuration in a table's words: its block sizes, warps and stages ("64x32, 4
+    warps, 3 stages")."""
+    return f"{config_blocks(config)}, {config.num_warps} warps, {config.num_stages} stages"
 
 
 def autotuned(kernel, configs: list, interpreter_config, key: list[str], reset_to_zero: list[str] | None = None):
@@ -86,7 +90,7 @@ def tuned_to(*pairs):
         else:
             kernel.cache.clear()
 
-    tuners = [(getattr(kernel, "tuner", kernel), kernel) for kernel, _ in pairs]
+    tuners = [(kernel.tuner if isinstance(kernel, TunedLaunches) else kernel, kernel) for kernel, _ in pairs]
     saved = [tuner.configs for tuner, _ in tuners]
     try:
         for (tuner, kernel), (_, config) in zip(tuners, pairs):

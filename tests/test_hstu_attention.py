@@ -5,7 +5,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from kernels.autotune import tuned_to
+from kernels.autotune import config_blocks, tuned_to
 from kernels.hstu_attention import (
     allowed_pairs, attention_kernels, bias_tiles, hstu_attention, reference, score_grads, time_buckets, triton_kernels,
 )
@@ -528,7 +528,7 @@ def bias_grads_match_the_twin(ds, args, tiling) -> bool:
     return all(close(g, w, 2e-5) for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("tiling", score_grads.BIAS_CONFIGS, ids=lambda c: "x".join(str(v) for v in c.kwargs.values()))
+@pytest.mark.parametrize("tiling", score_grads.BIAS_CONFIGS, ids=config_blocks)
 def test_bias_grads_of_long_bands_of_changing_buckets_match_the_twin(monkeypatch, tiling):
     """bias_grads_from_score_grads with the tiles of two time buckets on, at the GPU's
     tilings, whose programs walk many tiles of a band: timestamps evenly spaced (a band's

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import pooling
-from kernels.autotune import tuned_to
+from kernels.autotune import config_blocks, tuned_to
 from kernels.pooling import reference, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,7 +47,7 @@ def test_pooling_matches_the_twin_forward_and_backward(batch, longest, rows, dim
     assert torch.allclose(*grads, atol=TOLERANCE[dtype] * max(longest, 1), rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("config", triton_kernels.CONFIGS, ids=lambda c: f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_D']}")
+@pytest.mark.parametrize("config", triton_kernels.CONFIGS, ids=config_blocks)
 def test_every_tuning_configuration_matches_the_twin(config):
     """Each tiling of the forward and backward kernels (the interpreter runs its blocks,
     not its warps): bags longer than its rows a step and rows wider than its columns."""

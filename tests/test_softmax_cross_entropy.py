@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.autotune import tuned_to
+from kernels.autotune import config_blocks, tuned_to
 from kernels.softmax_cross_entropy import reference, softmax_cross_entropy, triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,7 +54,7 @@ def test_the_kernels_match_the_twin_forward_and_backward(rows, keys, dim, dtype)
         torch.testing.assert_close(g.float(), w.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("config", triton_kernels.CONFIGS, ids=lambda c: f"{c.kwargs['BLOCK_P']}x{c.kwargs['BLOCK_M']}")
+@pytest.mark.parametrize("config", triton_kernels.CONFIGS, ids=config_blocks)
 def test_every_tuning_configuration_matches_the_twin(config):
     """Each tiling of the three kernels (the interpreter runs its blocks, not its warps and
     stages): rows and keys over several of its largest blocks, a partial one at the end."""
